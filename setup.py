@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-cascade",
+    version="0.1.0",
+    description="Cascade RL and multi-domain on-policy distillation (MOPD) for Megatron-Core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_cascade", "megatron_cascade.*"]),
+    package_data={"megatron_cascade": ["py.typed"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "omegaconf>=2.3",
+        "tensorboard>=2.15",
+        "math-verify>=0.7",
+        "jsonschema>=4.0",
+        "safetensors>=0.4",
+        "psutil>=5.9",
+        "tqdm>=4.0",
+        "matplotlib>=3.7",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
+        "gpu": ["transformer-engine[pytorch]>=2.0", "apex"],
+    },
+    entry_points={"console_scripts": ["megatron-cascade=megatron_cascade.cli:main"]},
+)
