@@ -1,0 +1,137 @@
+"""Reward registry: names (or dotted import paths) -> plain reward functions.
+
+A reward function has the signature ``fn(response: str, sample: dict, **kwargs) -> float``
+and returns a score in [0, 1]. Keyword-only parameters are its configuration, set from
+YAML specs such as ``{name: code, kwargs: {timeout_s: 5, partial: false}}`` via
+:func:`build_reward`. A function may carry a ``batch_fn`` attribute with the signature
+``batch_fn(responses, samples, **kwargs) -> list[float | BaseException]``; batch scoring
+(:func:`megatron_cascade.rewards.scoring.score_batch`) then uses it, e.g. to run many
+programs on one sandbox pool or to send one HTTP request per batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+RewardFn = Callable[..., float]
+BatchFn = Callable[..., "list[float | BaseException]"]
+
+REWARDS: dict[str, RewardFn] = {}
+# Modules that register the built-in rewards; imported lazily so that importing the
+# registry stays cheap and a broken optional dependency only breaks its own reward.
+_BUILTIN_MODULES = {
+    "math": "megatron_cascade.rewards.math",
+    "code": "megatron_cascade.rewards.code",
+    "instruction_following": "megatron_cascade.rewards.ifeval",
+    "structured_output": "megatron_cascade.rewards.structured",
+    "multiple_choice": "megatron_cascade.rewards.multiple_choice",
+    "reward_model": "megatron_cascade.rewards.reward_model",
+}
+
+
+class Reward(Protocol):
+    """What :func:`get_reward` / :func:`build_reward` return."""
+
+    def __call__(self, response: str, sample: dict) -> float: ...
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register ``fn`` under ``name`` in :data:`REWARDS` (re-registering replaces)."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass(frozen=True)
+class BoundReward:
+    """A reward function with its configuration kwargs bound."""
+
+    name: str
+    fn: RewardFn
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, response: str, sample: dict) -> float:
+        return float(self.fn(response, sample, **self.kwargs))
+
+    @property
+    def has_batch(self) -> bool:
+        """Whether the underlying reward has a native batch implementation."""
+        return getattr(self.fn, "batch_fn", None) is not None
+
+    def batch(self, responses: Sequence[str], samples: Sequence[dict]) -> list[float | BaseException]:
+        """Score many responses; per-item exceptions are returned, not raised."""
+        batch_fn = getattr(self.fn, "batch_fn", None)
+        if batch_fn is None:
+            raise TypeError(f"reward {self.name!r} has no batch implementation")
+        return batch_fn(responses, samples, **self.kwargs)
+
+
+def _import_dotted(path: str) -> RewardFn:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise KeyError(f"unknown reward {path!r}: not registered and not a dotted path; "
+                       f"registered: {sorted(set(REWARDS) | set(_BUILTIN_MODULES))}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"reward {path!r} is not callable")
+    return obj
+
+
+def _lookup(name: str) -> RewardFn:
+    if name not in REWARDS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name in REWARDS:
+        return REWARDS[name]
+    return _import_dotted(name)
+
+
+def get_reward(name: str) -> BoundReward:
+    """Reward ``name`` with default configuration, as ``(response, sample) -> float``.
+
+    ``name`` is a registered name (built-ins: ``math``, ``code``, ``instruction_following``,
+    ``structured_output``, ``multiple_choice``, ``reward_model``) or an import path
+    ``"pkg.mod:func"`` / ``"pkg.mod.func"``.
+    """
+    return build_reward(name, {})
+
+
+def _config_params(fn: RewardFn) -> tuple[set[str], set[str], bool]:
+    """Configurable parameter names of ``fn``, the required ones, and whether it takes ``**kw``."""
+    params = list(inspect.signature(fn).parameters.values())[2:]  # skip response, sample
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = [p for p in params
+             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    required = {p.name for p in named if p.default is inspect.Parameter.empty}
+    return {p.name for p in named}, required, accepts_any
+
+
+def build_reward(spec_name: str, kwargs: Mapping[str, Any] | None = None) -> BoundReward:
+    """Build reward ``spec_name`` configured with ``kwargs``.
+
+    Raises:
+        TypeError: a kwarg is not a parameter of the reward, or a required one is missing
+            (the message names it and lists the valid ones).
+        KeyError: the name is neither registered nor importable as a dotted path.
+    """
+    fn = _lookup(spec_name)
+    kwargs = dict(kwargs or {})
+    allowed, required, accepts_any = _config_params(fn)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown and not accepts_any:
+        raise TypeError(f"reward {spec_name!r}: unknown kwarg(s) {unknown}; "
+                        f"valid kwargs: {sorted(allowed)}")
+    missing = sorted(required - set(kwargs))
+    if missing:
+        raise TypeError(f"reward {spec_name!r}: missing required kwarg(s) {missing}")
+    return BoundReward(spec_name, fn, kwargs)
