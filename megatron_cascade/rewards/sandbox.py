@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 _LAUNCHER_SOURCE_PATH = os.path.join(os.path.dirname(__file__), "_sandbox_init.py")
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+_REAP_TIMEOUT_S = 5.0  # how long to wait for a SIGKILLed tree to be reaped
 
 
 @dataclass(frozen=True)
@@ -201,16 +202,44 @@ def _rlimits(limits: SandboxLimits, cap_nproc: bool) -> dict[str, int]:
 
 
 def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
-    """SIGKILL the program's whole tree: descendants, the session group, stray same-uid."""
+    """SIGKILL the program's whole tree and wait until it is gone.
+
+    The namespace init (the program) is killed first and ``unshare`` is left alive to
+    reap it: the kernel only lets the init finish exiting once every other process of its
+    PID namespace is dead, so ``unshare`` exiting means the namespace is empty. Then the
+    session group is killed (covers the rlimits backend and a stuck ``unshare``) and, for
+    a dedicated uid, any process still running as that uid.
+    """
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         victims = []
-    for child in victims:  # kill the namespace init first: the kernel then kills the rest
+    for child in victims:
         _quiet_kill(child.pid)
+    if not _wait_exited(proc.pid, _REAP_TIMEOUT_S):
+        logger.warning("code sandbox: pid %d did not exit %.0f s after SIGKILL of its tree",
+                       proc.pid, _REAP_TIMEOUT_S)
     _quiet_killpg(proc.pid)
     if uid is not None:
         _kill_uid(uid)
+
+
+def _wait_exited(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for child ``pid`` to exit, *without* reaping it.
+
+    Keeping the zombie keeps its pid (= our session/process-group id) from being reused,
+    so a later ``killpg`` cannot hit an unrelated process group.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.02)  # short first sleeps: most programs end in ~50 ms
 
 
 def _quiet_kill(pid: int) -> None:
@@ -300,20 +329,27 @@ class CodeSandbox:
             _SLOTS.release(slot)
 
     def run_many(self, programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(),
-                 should_run: Callable[[int], bool] | None = None) -> list[SandboxResult]:
+                 should_run: Callable[[int], bool] | None = None,
+                 on_result: Callable[[int, SandboxResult], None] | None = None
+                 ) -> list[SandboxResult]:
         """Run programs in parallel on a pool of ``max_workers`` threads (one subprocess each).
 
         ``should_run(i)`` is consulted right before program ``i`` starts; returning False
         skips it (``SandboxResult.skipped``), e.g. once a sibling test already failed.
-        Results are in input order.
+        ``on_result(i, result)`` is called from the worker thread as soon as program ``i``
+        finished. Results are in input order.
         """
         self._resolve_backend()  # probe once, before the threads race for it
         workers = self.max_workers or os.cpu_count() or 1
 
         def job(i: int) -> SandboxResult:
             if should_run is not None and not should_run(i):
-                return SandboxResult(None, "", "", False, 0.0, skipped=True)
-            return self.run(programs[i], limits)
+                result = SandboxResult(None, "", "", False, 0.0, skipped=True)
+            else:
+                result = self.run(programs[i], limits)
+            if on_result is not None:
+                on_result(i, result)
+            return result
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
             return list(pool.map(job, range(len(programs))))
@@ -359,17 +395,11 @@ class CodeSandbox:
             proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=workdir,
                                     env=_clean_env(workdir), start_new_session=True,
                                     close_fds=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        timed_out = not _wait_exited(proc.pid, limits.timeout_s)
         if timed_out or backend.name == "rlimits":
-            # After a normal exit in a PID namespace the kernel already killed everything;
-            # without one, daemons left behind must be hunted down (same-uid scan).
+            # After a normal exit from a PID namespace the kernel has already killed
+            # everything; otherwise hunt the tree down (and same-uid strays without one).
             _kill_tree(proc, uid if backend.name == "rlimits" else None)
-        else:
-            _quiet_killpg(proc.pid)
         proc.wait()
         wall = time.monotonic() - start
         rc = proc.returncode

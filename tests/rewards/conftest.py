@@ -1,0 +1,52 @@
+"""Shared fixtures for reward tests: sandbox instance and a leftover-process check."""
+
+from __future__ import annotations
+
+import uuid
+
+import psutil
+import pytest
+
+from megatron_cascade.rewards.sandbox import CodeSandbox
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``marker``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(name="processes_with")
+def processes_with_fixture():
+    """The :func:`processes_with` helper (test modules cannot import conftest)."""
+    return processes_with
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> CodeSandbox:
+    return CodeSandbox()
+
+
+@pytest.fixture
+def marker() -> str:
+    """A unique string embedded in attack programs' command lines."""
+    return f"mcmarker{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def no_leftovers():
+    """After the test: no process of any sandbox run (work dirs are mc-sandbox-*) is alive."""
+    yield
+    leftovers = processes_with("mc-sandbox-")
+    for p in leftovers:  # clean up before failing, so one failure does not cascade
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not leftovers, [p.info for p in leftovers]

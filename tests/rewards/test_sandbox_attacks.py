@@ -1,0 +1,181 @@
+"""The sandbox under attack: every attack scores 0, ends in time, leaves the host intact."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+import tempfile
+import time
+
+import pytest
+
+from megatron_cascade.rewards import build_reward
+from megatron_cascade.rewards.sandbox import Program, SandboxLimits
+
+TIMEOUT_S = 2.0
+SLACK_S = 2.0  # the brief: done within timeout + 2 s
+
+
+def _attack_score(body: str) -> tuple[float, float]:
+    """Score of ``body`` under the code reward when only printing PWNED would pass."""
+    reward = build_reward("code", {"timeout_s": TIMEOUT_S})
+    response = f"```python\n{body}\n```"
+    start = time.monotonic()
+    score = reward(response, {"tests": [{"input": "", "output": "PWNED"}]})
+    return score, time.monotonic() - start
+
+
+def _check(body: str) -> None:
+    score, elapsed = _attack_score(body)
+    assert score == 0.0
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed
+
+
+@pytest.fixture
+def world_dir():
+    """A world-writable directory (only a read-only mount protects it from the sandbox)."""
+    path = tempfile.mkdtemp(prefix="mc-attack-")
+    os.chmod(path, 0o777)
+    yield path
+    for name in os.listdir(path):
+        os.unlink(os.path.join(path, name))
+    os.rmdir(path)
+
+
+def _needs_ro_mounts(sandbox) -> None:
+    if sandbox.backend != "namespaces":
+        pytest.skip("read-only mounts need the namespaces backend")
+
+
+def test_backend_is_detected(sandbox):
+    assert sandbox.backend in ("namespaces", "rlimits")
+
+
+def test_infinite_loop(no_leftovers):
+    _check("while True:\n    pass\nprint('PWNED')")
+
+
+def test_fork_bomb(no_leftovers):
+    _check("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+
+
+def test_memory_bomb(no_leftovers):
+    _check("chunks = []\nwhile True:\n    chunks.append(bytearray(100 << 20))\nprint('PWNED')")
+
+
+def test_write_outside_private_dir(tmp_path, no_leftovers):
+    target = tmp_path / "written.txt"
+    _check(f"open({str(target)!r}, 'w').write('x')\nprint('PWNED')")
+    assert not target.exists()
+
+
+def test_write_world_writable_dir(sandbox, world_dir, no_leftovers):
+    _needs_ro_mounts(sandbox)
+    for target in (os.path.join(world_dir, "w.txt"), "/dev/shm/mc-attack-w.txt"):
+        _check(f"open({target!r}, 'w').write('x')\nprint('PWNED')")
+        assert not os.path.exists(target)
+
+
+def test_delete_files(tmp_path, no_leftovers):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    _check(f"import os\nos.remove({str(victim)!r})\nprint('PWNED')")
+    assert victim.read_text() == "precious"
+
+
+def test_delete_world_writable_file(sandbox, world_dir, no_leftovers):
+    _needs_ro_mounts(sandbox)
+    victim = os.path.join(world_dir, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("precious")
+    os.chmod(victim, 0o666)
+    _check(f"import os\nos.remove({victim!r})\nprint('PWNED')")
+    with open(victim) as f:
+        assert f.read() == "precious"
+
+
+def test_network_connection(sandbox, no_leftovers):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        if sandbox.backend != "namespaces":
+            pytest.skip("network isolation needs the namespaces backend")
+        _check(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)\nprint('PWNED')")
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def test_environment_secrets(sandbox, monkeypatch, no_leftovers):
+    secret = "mc-secret-value-42"
+    monkeypatch.setenv("MC_TEST_SECRET_TOKEN", secret)
+    result = sandbox.run(Program("import os\nprint(dict(os.environ))"), SandboxLimits(timeout_s=TIMEOUT_S))
+    assert result.ok
+    assert "HOME" in result.stdout
+    assert secret not in result.stdout and "MC_TEST_SECRET_TOKEN" not in result.stdout
+    _check(f"import os\nif os.environ.get('MC_TEST_SECRET_TOKEN'):\n    print('PWNED')")
+
+
+def test_kill_parent_and_test_process(no_leftovers):
+    me = os.getpid()
+    body = (
+        "import os, signal\n"
+        "for pid in (os.getppid(), %d):\n"
+        "    try:\n"
+        "        os.kill(pid, signal.SIGKILL)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "try:\n"
+        "    os.killpg(os.getpgid(%d), signal.SIGKILL)\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print('PWNED')" % (me, me)
+    )
+    score, elapsed = _attack_score(body)
+    assert elapsed < TIMEOUT_S + SLACK_S
+    assert os.getpid() == me  # we are still here (a SIGKILL would have ended the test run)
+    # Reaching "PWNED" is fine only if nothing was killed; the real check is that we live.
+    assert score in (0.0, 1.0)
+
+
+def _daemon_body(marker: str, flag: str, then: str) -> str:
+    child = f"import time; time.sleep(3); open({flag!r}, 'w').write('x')  # {marker}"
+    return (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', {child!r}])\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        f"{then}\n"
+    )
+
+
+@pytest.mark.parametrize("then", ["pass", "while True:\n    pass"], ids=["exits", "hangs"])
+def test_daemon_does_not_outlive(sandbox, world_dir, marker, then, processes_with, no_leftovers):
+    flag = os.path.join(world_dir, "daemon.txt")
+    score, elapsed = _attack_score(_daemon_body(marker, flag, then))
+    assert score == 0.0 and elapsed < TIMEOUT_S + SLACK_S
+    assert processes_with(marker) == []
+    time.sleep(3.5 - (elapsed if then == "pass" else TIMEOUT_S))
+    assert not os.path.exists(flag)
+    assert processes_with(marker) == []
+
+
+def test_daemon_really_would_run_unsandboxed(tmp_path, marker, processes_with):
+    """Control for the daemon test: the same program, unsandboxed, leaves a live daemon."""
+    import subprocess
+
+    flag = tmp_path / "daemon.txt"
+    body = _daemon_body(marker, str(flag), "pass").replace("time.sleep(3)", "time.sleep(0.5)")
+    subprocess.run([sys.executable, "-c", body], check=True, timeout=10)
+    try:
+        assert processes_with(marker)
+    finally:
+        for p in processes_with(marker):
+            p.kill()
+    assert stat.S_ISDIR(os.stat(tmp_path).st_mode)
