@@ -206,7 +206,10 @@ def reward_model_reward(response: str, sample: dict, *, url: str, mode: str = "s
 
     Uses ``sample["prompt"]`` and, for the judge template, ``sample.get("answer")``.
     """
-    return reward_model_batch([response], [sample], **_local_kwargs(locals()))[0]  # type: ignore[return-value]
+    result = reward_model_batch([response], [sample], **_local_kwargs(locals()))[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def reward_model_batch(responses: Sequence[str], samples: Sequence[dict], **kwargs: Any

@@ -179,3 +179,22 @@ def test_daemon_really_would_run_unsandboxed(tmp_path, marker, processes_with):
         for p in processes_with(marker):
             p.kill()
     assert stat.S_ISDIR(os.stat(tmp_path).st_mode)
+
+
+def test_rlimits_fallback_still_contains_basics(tmp_path, monkeypatch, no_leftovers):
+    """The degraded backend: timeout, env scrubbing, privilege drop still hold."""
+    from megatron_cascade.rewards.sandbox import CodeSandbox, _Backend
+
+    box = CodeSandbox(_backend=_Backend("rlimits", (), drop_uid=os.geteuid() == 0))
+    monkeypatch.setenv("MC_TEST_SECRET_TOKEN", "mc-secret-value-42")
+    limits = SandboxLimits(timeout_s=1)
+    start = time.monotonic()
+    assert box.run(Program("while True:\n    pass"), limits).timed_out
+    assert time.monotonic() - start < 1 + SLACK_S
+    res = box.run(Program("import os\nprint(dict(os.environ))"), limits)
+    assert res.ok and "mc-secret-value-42" not in res.stdout
+    if os.geteuid() == 0:
+        victim = tmp_path / "v.txt"
+        victim.write_text("keep")
+        res = box.run(Program(f"import os\nos.remove({str(victim)!r})"), limits)
+        assert not res.ok and victim.read_text() == "keep"
