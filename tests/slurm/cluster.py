@@ -27,14 +27,28 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SLURM_DIR = REPO / "slurm"
+
+# The trainer command the jobs run (MEGATRON_CASCADE_CMD). One parameter: point it at the
+# real CLI (e.g. "megatron-cascade") with CASCADE_TEST_TRAINER_CMD once it honours the contract.
+FAKE_TRAINER_CMD = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_trainer.py'))}"
+TRAINER_CMD = os.environ.get("CASCADE_TEST_TRAINER_CMD", FAKE_TRAINER_CMD)
+
+# sbatch options turning the 8-GPU H100 defaults of stage.sbatch into a CPU-only 2-rank job.
+CPU_SBATCH_ARGS = "--ntasks-per-node=2 --gpus-per-node=0 --time=5"
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")

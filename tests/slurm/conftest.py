@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -12,20 +11,9 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-SLURM_DIR = REPO / "slurm"
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster import SlurmCluster, missing_requirements  # noqa: E402
-
-# The trainer command the jobs run (MEGATRON_CASCADE_CMD). One parameter: point it at the
-# real CLI ("megatron-cascade") with CASCADE_TEST_TRAINER_CMD once it implements the contract.
-FAKE_TRAINER_CMD = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_trainer.py'))}"
-TRAINER_CMD = os.environ.get("CASCADE_TEST_TRAINER_CMD", FAKE_TRAINER_CMD)
-
-# sbatch options turning the 8-GPU H100 defaults of stage.sbatch into a CPU-only 2-rank job.
-CPU_SBATCH_ARGS = "--ntasks-per-node=2 --gpus-per-node=0 --time=5"
+from cluster import CPU_SBATCH_ARGS, TRAINER_CMD, SlurmCluster, missing_requirements  # noqa: E402
 
 
 def pytest_configure(config):

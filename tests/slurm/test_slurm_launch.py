@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU_SBATCH_ARGS, SLURM_DIR
+from cluster import CPU_SBATCH_ARGS, SLURM_DIR
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -156,6 +157,31 @@ def test_requeue_is_bounded(cluster, cascade):
     assert "not requeueing" in log_of(cluster, job)
 
 
+def test_time_limit_signal_from_header_requeues(cluster, cascade):
+    """The real path: --signal=B:USR1@N before --time runs out (slurmctld checks every ~30 s)."""
+    cascade["logs"].mkdir(exist_ok=True)
+    job = submit_stage(
+        cluster, cascade, "sft", "hold_stage=sft", "hold_timeout=100", extra=("--time=1", "--signal=B:USR1@55")
+    )
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED", log_of(cluster, job)
+    assert cluster.job_info(job)["Restarts"] == "1"
+    log = log_of(cluster, job)
+    assert "received SIGUSR1" in log and "requeueing job" in log and "stage sft complete" in log, log
+
+
+def test_cancelled_stage_is_not_requeued_and_cancels_dependents(cluster, cascade):
+    jobs, _ = run_submit(cluster, cascade, "hold_stage=sft", "hold_timeout=60")
+    out = cascade["out"]
+    wait_for(lambda: len([e for e in events(out, "sft") if e["event"] == "holding"]) == 2, 60, "ranks holding")
+    cluster.run(["scancel", str(jobs["sft"])])
+    assert cluster.wait_job(jobs["sft"], timeout=60) == "CANCELLED"
+    assert cluster.wait_job(jobs["code"], timeout=60) == "CANCELLED"
+    assert cluster.job_info(jobs["math"])["JobState"] == "CANCELLED"
+    assert cluster.job_info(jobs["sft"])["Restarts"] == "0"
+    time.sleep(2)
+    assert cluster.job_info(jobs["sft"])["JobState"] == "CANCELLED"  # not requeued after the fact
+
+
 # (d) --------------------------------------------------------------------------------------
 def test_failing_stage_cancels_dependents(cluster, cascade):
     jobs, res = run_submit(cluster, cascade, "fail_stage=math")
@@ -178,6 +204,8 @@ def test_failing_stage_cancels_dependents(cluster, cascade):
 # (e) --------------------------------------------------------------------------------------
 def test_scripts_are_shellcheck_clean():
     if shutil.which("shellcheck") is None:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            pytest.fail("shellcheck missing: apt-get install -y shellcheck", pytrace=False)
         pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
     scripts = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in {".sh", ".sbatch"})
     assert {p.name for p in scripts} >= {"stage.sbatch", "submit_cascade.sh"}
