@@ -1,0 +1,174 @@
+"""Build a Megatron-Core ``GPTModel`` (dense or MoE) from the ``model`` config section."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.model.parallel import transformer_engine_available
+
+_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FP8_FORMATS = (None, "e4m3", "hybrid")
+_FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+
+
+def validate_model_config(model: ModelConfig) -> None:
+    """Raise ``ConfigError`` (naming the key) for a model config that cannot be built."""
+    if model.num_layers < 1 or model.hidden_size < 1 or model.num_attention_heads < 1:
+        raise ConfigError("model.num_layers, model.hidden_size and model.num_attention_heads must be >= 1")
+    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} does not divide "
+            f"model.hidden_size={model.hidden_size}; set model.kv_channels (head dim) explicitly"
+        )
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_query_groups={groups} does not divide model.num_attention_heads={model.num_attention_heads}"
+        )
+    if model.position_embedding_type == "rope" and _head_dim(model) % 2:
+        raise ConfigError(f"RoPE needs an even head dim, got {_head_dim(model)} (model.kv_channels)")
+    _check_choice("model.position_embedding_type", model.position_embedding_type, ("rope", "learned_absolute"))
+    _check_choice("model.normalization", model.normalization, ("RMSNorm", "LayerNorm"))
+    _check_choice("model.activation", model.activation, ("swiglu", "gelu"))
+    _check_choice("model.precision", model.precision, tuple(_PRECISIONS))
+    moe = model.moe
+    if moe.num_experts is not None:
+        if moe.num_experts < 1 or not 1 <= moe.router_topk <= moe.num_experts:
+            raise ConfigError(
+                f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts={moe.num_experts}]"
+            )
+        _check_choice("model.moe.token_dispatcher_type", moe.token_dispatcher_type, ("alltoall", "allgather", "flex"))
+        _check_choice("model.moe.router_load_balancing_type", moe.router_load_balancing_type,
+                      ("aux_loss", "seq_aux_loss", "none"))
+    if model.vocab_size < 1 or model.make_vocab_size_divisible_by < 1:
+        raise ConfigError("model.vocab_size and model.make_vocab_size_divisible_by must be >= 1")
+    _validate_fp8(model)
+
+
+def _validate_fp8(model: ModelConfig) -> None:
+    fp8 = model.fp8
+    _check_choice("model.fp8.format", fp8.format, _FP8_FORMATS)
+    _check_choice("model.fp8.recipe", fp8.recipe, _FP8_RECIPES)
+    _check_choice("model.fp8.amax_compute_algo", fp8.amax_compute_algo, ("max", "most_recent"))
+    if fp8.amax_history_len < 1:
+        raise ConfigError(f"model.fp8.amax_history_len={fp8.amax_history_len} must be >= 1")
+    if fp8.format is not None and model.precision == "fp32":
+        raise ConfigError("model.fp8.format needs model.precision=bf16 (FP8 GEMMs with bf16 master compute)")
+
+
+def _check_choice(key: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def _head_dim(model: ModelConfig) -> int:
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig):
+    """The Megatron-Core ``TransformerConfig`` for ``model`` laid out as ``parallel``."""
+    from megatron.core.transformer import TransformerConfig
+
+    validate_model_config(model)
+    dtype = _PRECISIONS[model.precision]
+    use_cpu = not torch.cuda.is_available()
+    moe = model.moe
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.activation == "swiglu",
+        activation_func=torch.nn.functional.silu if model.activation == "swiglu" else torch.nn.functional.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=use_cpu,
+        perform_initialization=True,
+        # Fused kernels need CUDA (and some need apex): on only where they can run.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=not use_cpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=not use_cpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if moe.num_experts is not None:
+        kwargs.update(
+            num_moe_experts=moe.num_experts,
+            moe_router_topk=moe.router_topk,
+            moe_ffn_hidden_size=moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+            moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+            moe_router_pre_softmax=moe.router_pre_softmax,
+            moe_router_load_balancing_type=moe.router_load_balancing_type,
+            moe_aux_loss_coeff=moe.aux_loss_coeff,
+            moe_token_dispatcher_type=moe.token_dispatcher_type,
+            moe_grouped_gemm=moe.grouped_gemm,
+            moe_layer_freq=moe.layer_freq,
+            moe_router_dtype="fp32",
+        )
+    if model.fp8.format is not None:
+        if not transformer_engine_available():
+            raise ConfigError("model.fp8.format is set but Transformer Engine with CUDA is not available")
+        kwargs.update(
+            fp8=model.fp8.format,
+            fp8_recipe=model.fp8.recipe,
+            fp8_amax_history_len=model.fp8.amax_history_len,
+            fp8_amax_compute_algo=model.fp8.amax_compute_algo,
+            fp8_margin=model.fp8.margin,
+            fp8_param=model.fp8.param_gather,
+        )
+    try:
+        return TransformerConfig(**kwargs)
+    except (AssertionError, ValueError) as exc:
+        raise ConfigError(f"Megatron-Core rejected the model config: {exc}") from exc
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+    """A ``GPTModel`` for this rank's pipeline stage (Megatron parallel state must be initialised).
+
+    Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise.
+    The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP].
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = transformer_config(model, parallel)
+    use_te = transformer_engine_available()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=model.normalization)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=int(model.rotary_base),
+        vp_stage=vp_stage,
+    )
+    if not torch.cuda.is_available():
+        return gpt
+    return gpt.cuda(torch.cuda.current_device())

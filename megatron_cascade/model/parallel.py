@@ -1,0 +1,116 @@
+"""Parallel layout: validation against the model and the world size, and Megatron initialisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports and a CUDA device is present (FP8, TE specs)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved sizes of every parallel dimension for one world size."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    expert_dp: int
+
+
+def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> Layout:
+    """Check ``parallel`` against ``model`` and ``world_size``; raise ``ConfigError`` naming the key.
+
+    Returns the resolved layout (data-parallel size is what the other sizes leave).
+    """
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
+    ep = parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    for key, value in [
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+    ]:
+        if value < 1:
+            raise ConfigError(f"parallel.{key}={value} must be >= 1")
+    _check_divides("parallel.tensor_model_parallel_size", tp, "model.num_attention_heads", model.num_attention_heads)
+    groups = model.num_query_groups or model.num_attention_heads
+    _check_divides("parallel.tensor_model_parallel_size", tp, "model.num_query_groups", groups)
+    _check_divides("parallel.tensor_model_parallel_size", tp, "padded vocab size", model.padded_vocab_size,
+                   hint="raise model.make_vocab_size_divisible_by to a multiple of the TP size")
+    _check_divides("parallel.pipeline_model_parallel_size", pp, "model.num_layers", model.num_layers)
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
+            f"= {tp} x {pp} x {cp} = {model_parallel}; change the number of processes or the parallel.* sizes"
+        )
+    dp = world_size // model_parallel
+    if ep > 1 or model.moe.num_experts:
+        if not model.moe.num_experts:
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size={ep} needs an MoE model (model.moe.num_experts is null)"
+            )
+        _check_divides("parallel.expert_model_parallel_size", ep, "model.moe.num_experts", model.moe.num_experts)
+    expert_model_parallel = etp * ep * pp
+    if world_size % expert_model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by expert tensor x expert x pipeline parallel size "
+            f"= {etp} x {ep} x {pp} = {expert_model_parallel}"
+        )
+    if model.moe.num_experts and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"an MoE model with parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
+            "(Megatron-Core refuses MoE + TP without SP in training)"
+        )
+    if parallel.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
+    if (parallel.sequence_parallel or cp > 1) and not transformer_engine_available():
+        what = "parallel.sequence_parallel" if parallel.sequence_parallel else "parallel.context_parallel_size > 1"
+        raise ConfigError(f"{what} needs Transformer Engine on a CUDA device (not available here)")
+    return Layout(world_size, tp, pp, cp, ep, etp, dp, world_size // expert_model_parallel)
+
+
+def _check_divides(size_key: str, size: int, target_key: str, target: int, hint: str = "") -> None:
+    if target % size:
+        extra = f"; {hint}" if hint else ""
+        raise ConfigError(f"{size_key}={size} does not divide {target_key}={target}{extra}")
+
+
+def initialize_model_parallel(parallel: ParallelConfig, seed: int) -> None:
+    """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNGs.
+
+    ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,165 @@
+"""Run Megatron-Core on CPU (gloo), for tests and the tiny demo.
+
+Megatron-Core assumes CUDA in a handful of places that have nothing to do with the math:
+the pipeline schedules and buffers allocate with ``device="cuda"`` / ``torch.cuda.current_device()``,
+the tensor-parallel RNG tracker saves and restores CUDA generator states, and the overlap code
+creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, and nothing else:
+
+* a ``TorchFunctionMode`` that rewrites a CUDA ``device`` argument of factory calls and of
+  ``Tensor.to``/``Tensor.cuda`` to CPU;
+* ``torch.cuda.current_device`` returns ``"cpu"`` (usable as a ``device=`` argument);
+* the tensor-parallel RNG tracker stores the CPU generator state instead of a CUDA one;
+* ``torch.cuda.Stream/Event/synchronize/...`` become no-ops;
+* the MoE router's Transformer-Engine-only GEMM becomes ``F.linear``;
+* ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
+  alltoall dispatcher passes).
+
+It is a process-wide switch: call it once, before building models, in every worker process.
+On a machine with a GPU do not call it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+_MODE: TorchFunctionMode | None = None
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU in every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stand-in for ``torch.cuda.Stream``/``Event``: every method is a no-op.
+
+    Methods return another stand-in, since callers chain them (``stream.record_event().synchronize()``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return lambda *a, **k: _NoOpStream()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _patch_cuda_runtime() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpStream
+    cuda.current_stream = lambda *a, **k: _NoOpStream()
+    cuda.default_stream = lambda *a, **k: _NoOpStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_device = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    # torch.manual_seed calls cuda.manual_seed_all: that must not recurse. Megatron's RNG tracker
+    # seeds "the CUDA generator" to capture a state; on CPU that is the default generator.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+
+
+def _patch_all_to_all() -> None:
+    """Gloo's ``all_to_all_single`` takes split sizes as lists only; MoE's alltoall passes numpy arrays."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return original(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def _as_list(sizes):
+    return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, router
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    def router_gating_linear(inp, weight, bias, router_dtype):
+        return F.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+
+    moe_utils.router_gating_linear = router_gating_linear
+    router.router_gating_linear = router_gating_linear
+
+
+def silence_cpu_warnings() -> None:
+    """Hide Megatron-Core's import-time notices that TE/apex/CUDA are absent (expected on CPU)."""
+    for pattern in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+                    ".*cuda_graph_scope.*", ".*all_gather_into_tensor.*", ".*reduce_scatter_tensor.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def enable_cpu_mode() -> None:
+    """Make Megatron-Core runnable on CPU in this process (idempotent)."""
+    global _ENABLED, _MODE
+    if _ENABLED:
+        return
+    silence_cpu_warnings()
+    _patch_cuda_runtime()
+    _patch_all_to_all()
+    _patch_megatron()
+    _MODE = _CudaDeviceToCpu()
+    _MODE.__enter__()
+    _ENABLED = True
+
+
+def cpu_mode_enabled() -> bool:
+    """Whether ``enable_cpu_mode()`` has run in this process."""
+    return _ENABLED
+
+
+def requires_cpu_mode(fn):
+    """Decorator for worker functions: enables CPU mode before running ``fn``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        enable_cpu_mode()
+        return fn(*args, **kwargs)
+
+    return wrapper
