@@ -1,0 +1,5 @@
+"""Tensor-parallel aware token-level ops on vocab-sharded logits."""
+
+from megatron_cascade.ops.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+
+__all__ = ["vocab_parallel_logprobs", "vocab_parallel_entropy"]
