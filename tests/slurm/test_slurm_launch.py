@@ -120,14 +120,15 @@ def test_submit_chains_stages_and_skips_complete(cluster, cascade):
 
 
 # (c) --------------------------------------------------------------------------------------
-def test_preemption_signal_checkpoints_requeues_and_finishes(cluster, cascade):
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_preemption_signal_checkpoints_requeues_and_finishes(cluster, cascade, sig):
     cascade["logs"].mkdir(exist_ok=True)
     job = submit_stage(cluster, cascade, "sft", "hold_stage=sft")
     out = cascade["out"]
     wait_for(lambda: len([e for e in events(out, "sft") if e["event"] == "holding"]) == 2, 60, "both ranks at step 1")
 
     # What --signal=B:USR1@N does before the time limit: USR1 to the batch shell only.
-    cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    cluster.run(["scancel", f"--signal={sig}", "--batch", str(job)])
 
     assert cluster.wait_job(job, timeout=90) == "COMPLETED", log_of(cluster, job)
     info = cluster.job_info(job)
@@ -137,7 +138,7 @@ def test_preemption_signal_checkpoints_requeues_and_finishes(cluster, cascade):
     assert sorted(exits) == [(0, 75), (0, 75), (1, 0), (1, 0)], ev
     assert {e["step"] for e in ev if e["event"] == "start" and e["restart"] == 1} == {1}  # resumed
     log = log_of(cluster, job)
-    assert "received SIGUSR1" in log
+    assert f"received SIG{sig}" in log
     assert "requeueing job" in log
     assert "stage sft complete" in log
     assert log.count("stage=sft config=") == 2, log  # both runs appended to one log
