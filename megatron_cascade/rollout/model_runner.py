@@ -1,0 +1,95 @@
+"""One forward step of generation: Megatron's static KV cache, or recomputing the whole prefix.
+
+With ``use_kv_cache=True`` the model runs under Megatron-Core's ``StaticInferenceContext`` (passed
+as ``inference_context=``): the first step (prefill) encodes the prompts, each later step feeds one
+token per row and the attention layers read the earlier keys/values from the context's per-layer
+cache. Megatron writes the new K/V at ``sequence_len_offset``, one offset for the whole batch, which
+this runner advances after every step (Megatron's own generation controller does the same).
+
+With ``use_kv_cache=False`` every step runs the full prefix with no context: the reference the
+cached path is tested against, and the baseline of the benchmark.
+
+Pipeline parallelism: the stages run one after another for each step. A stage receives the
+hidden states ``[s, B, hidden]`` of the previous stage (``recv``), runs its layers (each stage
+caches the K/V of its own layers) and sends its output on; the last stage returns logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.rollout.layout import PaddedBatch
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers (they all keep it in ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+class StepRunner:
+    """Runs generation steps for one ``PaddedBatch`` on this rank's pipeline stage."""
+
+    def __init__(self, model: torch.nn.Module, batch: PaddedBatch, use_kv_cache: bool) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        self.gpt = unwrap_model(model)
+        self.batch = batch
+        self.use_kv_cache = use_kv_cache
+        self.context = self._new_context() if use_kv_cache else None
+        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self._prev_rank = ps.get_pipeline_model_parallel_prev_rank() if self.pp_size > 1 else None
+        self._next_rank = ps.get_pipeline_model_parallel_next_rank() if self.pp_size > 1 else None
+
+    def _new_context(self):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        return StaticInferenceContext(self.batch.batch_size, self.batch.max_length)
+
+    def step(self, end: int) -> Optional[torch.Tensor]:
+        """Logits ``[B, V_padded]`` (float, TP-gathered) predicting column ``end`` from ``[0, end)``.
+
+        Returns None on pipeline stages other than the last. The KV-cached runner feeds only the
+        columns it has not seen yet, so ``end`` must grow by one per call after the first.
+        """
+        start = self.context.sequence_len_offset if self.use_kv_cache else 0
+        if start >= end:
+            raise ValueError(f"step(end={end}) but the cache already holds {start} columns")
+        out = self._forward_stage(start, end)
+        if self.use_kv_cache:
+            self.context.increment_sequence_len_offset(end - start)
+        if not self.last_stage:
+            return None
+        # Logits are [B, s, V]; with the cache Megatron returns the last column only (s = 1).
+        return out[:, -1, :]
+
+    def _forward_stage(self, start: int, end: int) -> torch.Tensor:
+        b = self.batch
+        if not self.first_stage:
+            self.gpt.set_input_tensor(self._recv_hidden(end - start))
+        out = self.model(
+            b.tokens[:, start:end],
+            b.position_ids[:, start:end],
+            b.attention_mask(start, end),
+            inference_context=self.context,
+            # Megatron asserts this under an inference context; without one, we want full-vocab
+            # logits all the same (sampling needs the whole distribution on every TP rank).
+            runtime_gather_output=True,
+        )
+        if not self.last_stage:
+            dist.send(out.contiguous(), self._next_rank)
+        return out
+
+    def _recv_hidden(self, seq: int) -> torch.Tensor:
+        cfg = self.gpt.config
+        buf = torch.empty((seq, self.batch.batch_size, cfg.hidden_size), dtype=cfg.pipeline_dtype or cfg.params_dtype,
+                          device=self.batch.tokens.device)
+        dist.recv(buf, self._prev_rank)
+        return buf

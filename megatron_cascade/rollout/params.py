@@ -1,0 +1,56 @@
+"""Sampling parameters of a rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability (after
+            temperature and top-k) reaches ``top_p``; 1.0 = off.
+        top_k: keep the ``top_k`` most likely tokens; 0 = off.
+        max_new_tokens: response length limit, in tokens.
+        stop_token_ids: a response ends after any of these tokens (the token is kept in it).
+        stop_strings: a response ends at the token that completes any of these strings in the
+            decoded response text (the token is kept; the text is not cut).
+        n: samples per prompt.
+        seed: seed of the sampling generator; same seed, prompts and model -> same responses.
+        ignore_eos: do not stop at the tokenizer's eos token (it stops by default).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    n: int = 1
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Tuples, so that the params are hashable and a list from a YAML config is accepted.
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(str(s) for s in self.stop_strings))
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n} must be >= 1")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("SamplingParams.stop_strings must not contain an empty string")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether sampling is deterministic argmax."""
+        return self.temperature == 0.0

@@ -1,0 +1,97 @@
+"""Turning next-token logits into sampled tokens and their log-probs (pure tensor functions).
+
+All functions take full (TP-gathered) logits ``[B, V_padded]``. Two log-probs come out per token:
+
+* ``temperature_logprobs``: ``log_softmax(logits / T)`` over the whole padded vocabulary, the
+  trainer's convention (it computes exactly this from its own forward);
+* ``sampled_logprobs``: under the distribution actually sampled from: temperature, padded
+  vocabulary ids removed, then top-k, then top-p, renormalised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_cascade.rollout.params import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    """Per row of a step: the sampled token and its two log-probs (float32 nats), all ``[B]``."""
+
+    tokens: torch.Tensor
+    temperature_logprobs: torch.Tensor
+    sampled_logprobs: torch.Tensor
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Copy of ``logits [B, V_padded]`` with ids ``>= vocab_size`` (embedding padding) set to -inf."""
+    if vocab_size > logits.shape[-1]:
+        raise ValueError(f"tokenizer vocab_size={vocab_size} exceeds the model's {logits.shape[-1]} logits")
+    out = logits.clone()
+    out[..., vocab_size:] = float("-inf")
+    return out
+
+
+def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits per row (others -inf); ``top_k=0`` keeps all."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (others -inf).
+
+    The most likely token is always kept, so a row never becomes empty.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` in float32 over all columns (T=0 is treated as T=1): ``[B, V]``."""
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
+           generator: torch.Generator | None) -> SampleOutput:
+    """Sample one token per row of ``logits [B, V_padded]``.
+
+    Sampling uses the Gumbel-max trick with noise from ``generator``, so the result is a pure
+    function of the logits and the generator state: every tensor-parallel rank, given the same
+    gathered logits and an identically seeded generator, picks the same tokens.
+    """
+    logits = logits.float()
+    full_logprobs = temperature_logprobs(logits, params.temperature)
+    allowed = mask_padded_vocab(logits, vocab_size)
+    if params.greedy:
+        tokens = allowed.argmax(dim=-1)
+        sampled_lp = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    else:
+        filtered = filter_top_p(filter_top_k(allowed / params.temperature, params.top_k), params.top_p)
+        tokens = (filtered + _gumbel_noise(filtered.shape, generator, filtered.device)).argmax(dim=-1)
+        sampled_lp = _pick(torch.log_softmax(filtered, dim=-1), tokens)
+    return SampleOutput(tokens, _pick(full_logprobs, tokens), sampled_lp)
+
+
+def _gumbel_noise(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    # -log(-log U) is Gumbel(0, 1); the clamp keeps log() finite at U in {0, 1}.
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    return -torch.log(-torch.log(u.clamp_(tiny, 1.0 - 1e-7)))
+
+
+def _pick(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
