@@ -93,6 +93,17 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
+def _set_child_subreaper(on: bool) -> bool:
+    """prctl(PR_SET_CHILD_SUBREAPER); False where unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1 if on else 0, 0, 0, 0) == 0  # 36 = PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
 class SlurmError(RuntimeError):
     pass
 
@@ -220,6 +231,9 @@ PartitionName=debug Nodes={self.nodename} Default=YES MaxTime=INFINITE State=UP
         missing = missing_requirements()
         if missing:
             raise SlurmError("missing: " + ", ".join(missing))
+        # slurmstepd daemonises; make its orphans our children (not PID 1's, which in a
+        # container may never reap them) so stop() can reap them: no <defunct> leftovers.
+        self._subreaper = _set_child_subreaper(True)
         self.dir = Path(tempfile.mkdtemp(prefix="slurm-test-", dir=self._base_dir))
         self.dir.chmod(0o755)  # jobs write their logs below it; munged wants no group/world write
         try:
@@ -310,6 +324,34 @@ PartitionName=debug Nodes={self.nodename} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.1)
 
     @staticmethod
+    def _reap_orphans(timeout: float = 5.0) -> None:
+        """Reap slurmstepd processes that were re-parented to us (see start())."""
+        me = os.getpid()
+        deadline = time.monotonic() + timeout
+        while True:
+            orphans = []
+            for p in Path("/proc").iterdir():
+                if not p.name.isdigit():
+                    continue
+                try:
+                    stat = (p / "stat").read_text()
+                except OSError:
+                    continue
+                name = stat[stat.find("(") + 1 : stat.rfind(")")]
+                fields = stat.rsplit(")", 1)[-1].split()
+                if name == "slurmstepd" and int(fields[1]) == me:
+                    orphans.append((int(p.name), fields[0]))
+            for pid, state in orphans:
+                if state == "Z":
+                    try:
+                        os.waitpid(pid, 0)
+                    except ChildProcessError:
+                        pass
+            if not orphans or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    @staticmethod
     def _kill(pids: Iterable[int], sig: int) -> None:
         for pid in pids:
             try:
@@ -348,6 +390,9 @@ PartitionName=debug Nodes={self.nodename} Default=YES MaxTime=INFINITE State=UP
             while time.monotonic() < deadline and self.our_pids():
                 time.sleep(0.1)
             self._kill(self.our_pids(), signal.SIGKILL)
+        self._reap_orphans()
+        if getattr(self, "_subreaper", False):
+            _set_child_subreaper(False)
         if not self.keep:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.dir_removed = not self.keep
