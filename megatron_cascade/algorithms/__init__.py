@@ -17,6 +17,7 @@ from .importance import IS_MODES, ImportanceWeights, importance_weights
 from .kl import KL_ESTIMATORS, k1_kl, k2_kl, k3_kl, kl_penalty
 from .metrics import METRIC_MEANS, finalize_metrics
 from .mopd import MOPD_METRIC_KEYS, MOPD_NORMALIZATIONS, mopd_loss
+from .sft import SFT_METRIC_KEYS, sft_loss
 
 __all__ = [
     "BASELINES",
@@ -40,4 +41,6 @@ __all__ = [
     "k3_kl",
     "kl_penalty",
     "mopd_loss",
+    "SFT_METRIC_KEYS",
+    "sft_loss",
 ]

@@ -26,6 +26,8 @@ METRIC_MEANS: dict[str, tuple[str, str]] = {
     "advantage_sum": ("advantage_mean", "tokens"),  # token-mean advantage
     # MOPD
     "reverse_kl_sum": ("reverse_kl_mean", "tokens"),  # mean sampled-token log pi/pi_T
+    # SFT
+    "nll_sum": ("nll_mean", "tokens"),  # mean negative log-likelihood
 }
 
 

@@ -52,24 +52,38 @@ def _local_target_logit(chunk: torch.Tensor, targets: torch.Tensor, start: int, 
     return torch.where(on_shard, picked, torch.zeros_like(picked)), on_shard, local_ids
 
 
+def _valid_columns(vocab_local: int, start: int, vocab_size: Optional[int]) -> int:
+    """How many of this shard's columns are real tokens (the rest is vocabulary padding)."""
+    if vocab_size is None:
+        return vocab_local
+    return max(0, min(vocab_local, vocab_size - start))
+
+
+def _chunk_logsumexp(chunk: torch.Tensor, valid: int, acc: torch.dtype) -> torch.Tensor:
+    if valid == 0:
+        return torch.full((chunk.shape[0],), float("-inf"), dtype=acc, device=chunk.device)
+    return torch.logsumexp(chunk[:, :valid].to(acc), dim=-1)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, chunk_size):
+    def forward(ctx, logits, targets, group, chunk_size, vocab_size):
         n, vocab_local = logits.shape
         start, end = _vocab_range(vocab_local, group)
+        valid = _valid_columns(vocab_local, start, vocab_size)
         acc = _accumulation_dtype(logits)
         lse = torch.empty(n, dtype=acc, device=logits.device)
         target_logit = torch.empty(n, dtype=acc, device=logits.device)
         for lo in range(0, n, chunk_size):
             hi = min(n, lo + chunk_size)
             chunk = logits[lo:hi]
-            lse[lo:hi] = torch.logsumexp(chunk.to(acc), dim=-1)
+            lse[lo:hi] = _chunk_logsumexp(chunk, valid, acc)
             target_logit[lo:hi] = _local_target_logit(chunk, targets[lo:hi], start, end)[0]
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(target_logit, group=group)
             lse = _global_logsumexp(lse, group)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.group, ctx.chunk_size, ctx.start, ctx.end = group, chunk_size, start, end
+        ctx.group, ctx.chunk_size, ctx.start, ctx.end, ctx.valid = group, chunk_size, start, end, valid
         return target_logit - lse
 
     @staticmethod
@@ -87,8 +101,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             on_shard = (targets[lo:hi] >= ctx.start) & (targets[lo:hi] < ctx.end)
             rows = torch.nonzero(on_shard).squeeze(-1)
             probs[rows, targets[lo:hi][rows] - ctx.start] += g[rows]
+            probs[:, ctx.valid:] = 0  # vocabulary padding is outside the distribution
             grad[lo:hi] = probs
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -97,6 +112,7 @@ def vocab_parallel_logprobs(
     *,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """log softmax(logits)[target] per token, from logits sharded over the vocabulary.
 
@@ -106,6 +122,8 @@ def vocab_parallel_logprobs(
         targets: [...] global token ids (int64).
         group: the tensor-parallel group the vocabulary is sharded over; None = not sharded.
         chunk_size: tokens per chunk (default: about 64 MiB of float32 temporaries per chunk).
+        vocab_size: number of real tokens; columns >= vocab_size (embedding padding) are left out
+            of the softmax, as the sampler leaves them out. None = all columns are real.
 
     Returns:
         [...] log-probabilities (float32; float64 for float64 logits), differentiable w.r.t. ``logits``.
@@ -117,7 +135,9 @@ def vocab_parallel_logprobs(
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
     chunk = chunk_size or _default_chunk(logits.shape[-1])
-    out = _VocabParallelLogprobs.apply(flat_logits, flat_targets, group, chunk)
+    if vocab_size is not None and bool((flat_targets >= vocab_size).any()):
+        raise ValueError(f"a target id is >= vocab_size={vocab_size} (a padding id cannot be a target)")
+    out = _VocabParallelLogprobs.apply(flat_logits, flat_targets, group, chunk, vocab_size)
     return out.reshape(lead)
 
 

@@ -11,6 +11,7 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
 * the tensor-parallel RNG tracker stores the CPU generator state instead of a CUDA one;
 * ``torch.cuda.Stream/Event/synchronize/...`` become no-ops;
 * the MoE router's Transformer-Engine-only GEMM becomes ``F.linear``;
+* gradient clipping scales grads without asserting they are CUDA tensors;
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
   alltoall dispatcher passes).
 
@@ -126,6 +127,22 @@ def _patch_megatron() -> None:
 
     moe_utils.router_gating_linear = router_gating_linear
     router.router_gating_linear = router_gating_linear
+    _patch_grad_clipping()
+
+
+def _patch_grad_clipping() -> None:
+    """Megatron's clip asserts ``torch.cuda.FloatTensor`` grads; the same scaling, on any device."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
 def silence_cpu_warnings() -> None:

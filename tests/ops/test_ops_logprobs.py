@@ -80,3 +80,33 @@ def test_tp2_matches_full_vocab_log_softmax():
         assert unchanged, "input logits were modified"
     full_grad = torch.cat([r[1] for r in results], dim=-1)
     torch.testing.assert_close(full_grad, ref_grad, atol=1e-10, rtol=0)
+
+
+def test_vocab_padding_is_left_out_of_the_softmax():
+    logits, targets, grad_out = _data(seed=5, vocab=64)
+    targets = targets % 50
+    ref_lp, ref_grad = _reference(logits[..., :50], targets, grad_out)
+    x = logits.clone().requires_grad_(True)
+    lp = vocab_parallel_logprobs(x, targets, chunk_size=3, vocab_size=50)
+    (lp * grad_out).sum().backward()
+    torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=0)
+    torch.testing.assert_close(x.grad[..., :50], ref_grad, atol=1e-10, rtol=0)
+    assert torch.all(x.grad[..., 50:] == 0)
+    with pytest.raises(ValueError, match="padding id"):
+        vocab_parallel_logprobs(logits, torch.full_like(targets, 55), vocab_size=50)
+
+
+def _tp2_padded_worker(logits, targets):
+    rank = torch.distributed.get_rank()
+    shard = logits.chunk(2, dim=-1)[rank]
+    # vocab 20 of 64 columns: rank 1's shard is padding only.
+    return vocab_parallel_logprobs(shard, targets, group=torch.distributed.group.WORLD, vocab_size=20)
+
+
+@pytest.mark.distributed
+def test_tp2_with_a_shard_of_padding_only():
+    logits, targets, _ = _data(seed=6, vocab=64)
+    targets = targets % 20
+    ref = torch.log_softmax(logits[..., :20], -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    for lp in run_distributed(_tp2_padded_worker, 2, logits, targets, cpu_mode=False):
+        torch.testing.assert_close(lp, ref, atol=1e-10, rtol=0)

@@ -1,0 +1,85 @@
+"""The training batch: padded token tensors aligned so that position t predicts token t+1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """One data-parallel rank's share of a rollout batch.
+
+    All per-token tensors are [B, S] and aligned to ``target_ids``: entry t concerns the prediction
+    of ``target_ids[:, t] == input_ids[:, t + 1]`` from the prefix ``input_ids[:, :t + 1]``.
+
+    Attributes:
+        input_ids: [B, S] int64 tokens fed to the model (prompt + response, right-padded).
+        target_ids: [B, S] int64 next tokens.
+        loss_mask: [B, S] 1 where the target is a response token that counts in the loss.
+        advantages: [B] or [B, S] GRPO advantages.
+        inference_logprobs: [B, S] log-probs of the targets under the sampler (mismatch correction).
+        teacher_logprobs: [B, S] log-probs of the targets under the MOPD teacher.
+        old_logprobs: [B, S] log-probs under the policy that sampled (PPO epochs > 1).
+        ref_logprobs: [B, S] log-probs under the KL reference.
+    """
+
+    input_ids: torch.Tensor
+    target_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: Optional[torch.Tensor] = None
+    inference_logprobs: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.input_ids.shape)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "advantages":
+                continue
+            if tuple(value.shape) != shape:
+                raise ValueError(f"TrainBatch.{f.name} has shape {tuple(value.shape)}, input_ids has {shape}")
+        if self.advantages is not None and tuple(self.advantages.shape) not in (shape[:1], shape):
+            raise ValueError(f"TrainBatch.advantages has shape {tuple(self.advantages.shape)}; "
+                             f"expected [{shape[0]}] or {list(shape)}")
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
+        """The sub-batch of ``rows`` (a slice or an index tensor)."""
+        return replace(self, **{f.name: _take(getattr(self, f.name), rows) for f in fields(self)})
+
+    def padded_to_multiple(self, multiple: int) -> "TrainBatch":
+        """Append fully masked rows so that the batch size is a multiple of ``multiple``."""
+        extra = -self.size % multiple
+        if extra == 0:
+            return self
+        return replace(self, **{f.name: _pad_rows(getattr(self, f.name), extra) for f in fields(self)})
+
+    def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
+        """Consecutive micro-batches of ``micro_batch_size`` rows (the batch must divide evenly)."""
+        if self.size % micro_batch_size:
+            raise ValueError(f"batch of {self.size} rows does not split into micro-batches of {micro_batch_size}")
+        for start in range(0, self.size, micro_batch_size):
+            yield self.select(slice(start, start + micro_batch_size))
+
+
+def _take(value: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
+    return None if value is None else value[rows]
+
+
+def _pad_rows(value: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
+    if value is None:
+        return None
+    pad = torch.zeros((extra, *value.shape[1:]), dtype=value.dtype, device=value.device)
+    return torch.cat([value, pad])
