@@ -1,0 +1,93 @@
+"""Read whole (TP=1) tensors from a Megatron distributed checkpoint, a few at a time.
+
+Each tensor is the region of its checkpoint key at the global offset Megatron gives it (its layer,
+and expert, index on the stacked axes); a small DCP load planner reads exactly that region from
+whatever chunks the checkpoint holds (any TP/PP/EP layout it was saved at). No model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import replace
+
+import torch
+
+from megatron_cascade.convert.dist_writer import METADATA_FILE, Placement, placement_of
+from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.convert.runtime import Skeleton
+
+
+def read_dist_metadata(ckpt_dir: str):
+    """The DCP ``Metadata`` of a distributed checkpoint (keys, global shapes, dtypes); no tensor is read."""
+    path = os.path.join(ckpt_dir, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise ConversionError(f"{ckpt_dir} is not a Megatron distributed checkpoint: {METADATA_FILE} missing")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise ConversionError(f"{path} is corrupt ({type(exc).__name__}: {exc}); re-copy the checkpoint") from exc
+
+
+def _region_planner(placements: dict[str, Placement]):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionLoadPlanner(DefaultLoadPlanner):
+        """Loads ``state_dict[name]`` from the region ``placements[name]`` of its checkpoint key."""
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for name, tensor in self.state_dict.items():
+                place = placements[name]
+                chunk = ChunkStorageMetadata(offsets=torch.Size(place.offset), sizes=tensor.shape)
+                md = self.metadata.state_dict_metadata[place.key]
+                zero = MetadataIndex(name, torch.Size([0] * tensor.dim()))
+                items += [replace(it, dest_index=zero) for it in create_read_items_for_chunk_list(place.key, md, [chunk])]
+            return LoadPlan(items)
+
+    return RegionLoadPlanner()
+
+
+class DistCheckpointReader:
+    """Whole tensors of ``skeleton`` from the distributed checkpoint in ``ckpt_dir``."""
+
+    def __init__(self, ckpt_dir: str, skeleton: Skeleton):
+        self.ckpt_dir = ckpt_dir
+        self.skeleton = skeleton
+        self.metadata = read_dist_metadata(ckpt_dir).state_dict_metadata
+        self.placements = {name: placement_of(entry) for name, entry in skeleton.tensors.items()}
+        self._check_keys()
+
+    def _check_keys(self) -> None:
+        for place in self.placements.values():
+            item = self.metadata.get(place.key)
+            if item is None or not hasattr(item, "chunks"):
+                raise ConversionError(f"checkpoint {self.ckpt_dir} lacks tensor {place.key} that its model config "
+                                      "needs; it was saved from another architecture or is incomplete")
+            if tuple(item.size) != place.global_shape:
+                raise ConversionError(f"checkpoint {self.ckpt_dir}: {place.key} has global shape "
+                                      f"{tuple(item.size)}, the model config needs {place.global_shape}")
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """Stored dtype of tensor ``name``."""
+        return self.metadata[self.placements[name].key].properties.dtype
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """{name: whole TP=1 tensor in its stored dtype} for the module names ``names``."""
+        import torch.distributed.checkpoint as dcp
+
+        state = {}
+        for name in names:
+            shape = self.skeleton.local_shape(name)
+            state[name] = torch.empty((1,) * self.placements[name].prepend + shape, dtype=self.dtype_of(name))
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(self.ckpt_dir),
+                     planner=_region_planner(self.placements), no_dist=True)
+        except Exception as exc:  # noqa: BLE001 - re-raised naming the directory
+            raise ConversionError(f"could not read {names[:3]} from {self.ckpt_dir}: {type(exc).__name__}: {exc}; "
+                                  "a data file may be missing or truncated") from exc
+        return {name: state[name].reshape(self.skeleton.local_shape(name)) for name in names}

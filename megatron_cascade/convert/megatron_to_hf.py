@@ -1,0 +1,82 @@
+"""Megatron distributed checkpoint -> Hugging Face (config.json + safetensors shards), streamed per layer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron_cascade.config.model import FP8Config, ModelConfig, MoEConfig
+from megatron_cascade.convert.dist_reader import DistCheckpointReader
+from megatron_cascade.convert.dist_writer import ensure_empty_dir
+from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.convert.families import (
+    check_family_supported, family_by_architecture, family_of_model, hf_global_names, hf_layer_names,
+)
+from megatron_cascade.convert.hf_config import hf_config_from_model
+from megatron_cascade.convert.hf_files import HF_SUBDIR, CONFIG_FILE, copy_side_files, write_hf_config
+from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
+from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter, parse_size
+from megatron_cascade.convert.tensor_maps import to_hf
+from megatron_cascade.model.builder import _PRECISIONS
+from megatron_cascade.model.checkpoint import CheckpointError, read_model_config
+
+
+def load_model_config(ckpt_dir: str) -> ModelConfig:
+    """The ``ModelConfig`` recorded in a weights directory's ``model_config.json``."""
+    try:
+        raw = dict(read_model_config(ckpt_dir)["config"])
+    except (CheckpointError, KeyError) as exc:
+        raise ConversionError(f"{ckpt_dir}: no usable model_config.json ({exc}); "
+                              "it was not written by megatron-cascade") from exc
+    raw["moe"] = MoEConfig(**raw.get("moe", {}))
+    raw["fp8"] = FP8Config(**raw.get("fp8", {}))
+    return ModelConfig(**raw)
+
+
+def _source_hf_config(ckpt_dir: str) -> dict | None:
+    path = os.path.join(ckpt_dir, HF_SUBDIR, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max_shard_size: str | int = "5GB") -> str:
+    """Convert the Megatron checkpoint in ``ckpt_dir`` to a Hugging Face checkpoint in ``out_dir``.
+
+    ``dtype`` (fp32|bf16|fp16) casts the tensors; default: the dtype they are stored in. Vocab
+    padding rows are dropped. Shards hold at most ``max_shard_size`` bytes ('5GB', '500MB', int).
+    The family comes from the HF config recorded at import (``ckpt_dir/hf/config.json``), else
+    from the model config (MoE -> Qwen3-MoE, q/k norm -> Qwen3, qkv bias -> Qwen2, else Llama).
+    Returns the architecture written. Peak memory: one shard plus one decoder layer.
+    """
+    model = load_model_config(ckpt_dir)
+    template = _source_hf_config(ckpt_dir)
+    family = family_by_architecture(template["architectures"][0], CONFIG_FILE) if template else family_of_model(model)
+    check_family_supported(family, model)
+    ensure_empty_dir(out_dir)
+    with megatron_runtime():
+        reader = DistCheckpointReader(ckpt_dir, build_skeleton(model))
+        stored = reader.dtype_of("embedding.word_embeddings.weight")
+        target = _PRECISIONS[dtype] if dtype else stored
+        writer = ShardedSafetensorsWriter(out_dir, parse_size(max_shard_size))
+        for meg, hf in hf_global_names(model).items():
+            _export({meg: hf}, reader, writer, model, target)
+        for layer in range(model.num_layers):
+            _export(hf_layer_names(family, model, layer), reader, writer, model, target)
+        writer.finish()
+    precision = {v: k for k, v in _PRECISIONS.items()}[target]
+    write_hf_config(out_dir, hf_config_from_model(model, family, template, precision))
+    copy_side_files(os.path.join(ckpt_dir, HF_SUBDIR), out_dir)
+    return family.architecture
+
+
+def _export(names: dict[str, str], reader: DistCheckpointReader, writer: ShardedSafetensorsWriter,
+            model: ModelConfig, dtype: torch.dtype) -> None:
+    tensors = reader.read(list(names))
+    for meg, joined in names.items():
+        hf_names = joined.split("+")
+        for name, part in zip(hf_names, to_hf(meg, tensors[meg], len(hf_names), model)):
+            writer.add(name, part.to(dtype))
