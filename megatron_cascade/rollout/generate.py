@@ -10,7 +10,7 @@ import torch
 from megatron_cascade.rollout.batch import RolloutBatch, RolloutSample
 from megatron_cascade.rollout.comm import share_step
 from megatron_cascade.rollout.layout import PaddedBatch, left_pad
-from megatron_cascade.rollout.model_runner import StepRunner, unwrap_model
+from megatron_cascade.rollout.model_runner import StepRunner, accepts_padding_mask, unwrap_model
 from megatron_cascade.rollout.params import SamplingParams
 from megatron_cascade.rollout.sampling import SampleOutput, sample
 from megatron_cascade.rollout.stopping import StopCriteria
@@ -45,6 +45,11 @@ def generate(
             ``max_sequence_length`` (``model.max_position_embeddings``).
         use_kv_cache: True: Megatron's static KV cache; False: recompute the prefix every token.
 
+    Prompts of different lengths are left-padded into one batch (see ``layout.py``); with attention
+    that cannot take a padding mask (Transformer Engine) they are batched by prompt length instead.
+    One generator seeded with ``params.seed`` drives all batches, so the result is reproducible for
+    the same prompts, params and model (and does not depend on the TP/PP layout).
+
     Returns:
         ``RolloutBatch`` with ``len(prompts) * params.n`` samples, prompt-major.
     """
@@ -52,23 +57,37 @@ def generate(
     rows = [list(p) for p in prompts for _ in range(params.n)]
     limit = max_sequence_length or gpt.max_sequence_length
     device = next(gpt.parameters()).device
-    batch = left_pad(rows, tokenizer.pad_id, params.max_new_tokens, limit, device)
     samples = [RolloutSample(prompt_index=i // params.n, sample_index=i % params.n, prompt_ids=row)
                for i, row in enumerate(rows)]
+    stop = StopCriteria(params, tokenizer)
+    generator = torch.Generator(device=device).manual_seed(params.seed)
     with _eval_mode(model), torch.no_grad():
-        _decode_loop(StepRunner(model, batch, use_kv_cache), batch, samples, params, tokenizer)
+        for group in _batches(rows, accepts_padding_mask(model)):
+            batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
+            runner = StepRunner(model, batch, use_kv_cache)
+            _decode_loop(runner, batch, [samples[i] for i in group], params, stop, generator,
+                         tokenizer.vocab_size)
     return RolloutBatch(samples, params)
 
 
-def _decode_loop(runner: StepRunner, batch: PaddedBatch, samples: list[RolloutSample],
-                 params: SamplingParams, tokenizer: Tokenizer) -> None:
-    """Sample column after column until every row is finished; fills ``samples`` in place."""
-    stop = StopCriteria(params, tokenizer)
-    generator = torch.Generator(device=batch.tokens.device).manual_seed(params.seed)
+def _batches(rows: list[list[int]], padding_ok: bool) -> list[list[int]]:
+    """Row indices per forward batch: all rows at once (left-padded), or one batch per prompt
+    length where the attention cannot mask padding (no padding is then needed)."""
+    if padding_ok:
+        return [list(range(len(rows)))]
+    by_length: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_length.setdefault(len(row), []).append(i)
+    return list(by_length.values())
+
+
+def _decode_loop(runner: StepRunner, batch: PaddedBatch, samples: list[RolloutSample], params: SamplingParams,
+                 stop: StopCriteria, generator: torch.Generator, vocab_size: int) -> None:
+    """Sample column after column until every row is finished; fills ``samples`` (one per row)."""
     active = set(range(batch.batch_size))
     for column in range(batch.prompt_width, batch.max_length):
         logits = runner.step(column)
-        local = sample(logits, params, tokenizer.vocab_size, generator) if logits is not None else None
+        local = sample(logits, params, vocab_size, generator) if logits is not None else None
         out = share_step(local, batch.batch_size, batch.tokens.device)
         batch.append(column, out.tokens)
         # Finished rows keep being fed their sampled tokens (the batch shape is static); their

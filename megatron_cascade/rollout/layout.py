@@ -8,12 +8,16 @@ absolute position embeddings, by per-row position ids that start at 0 on each ro
 token. RoPE needs no per-row positions: attention scores under RoPE depend only on the distance
 between query and key, which left padding does not change (the results agree with an unpadded
 forward to float rounding; the tests check 1e-5 on log-probs).
+
+When every prompt of a batch has the same length there is no padding and no mask at all: the
+attention builds its own causal mask (``generate`` batches by prompt length for attention kernels
+that cannot take an arbitrary mask, e.g. Transformer Engine's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,13 +53,20 @@ class PaddedBatch:
         self.tokens[:, column] = tokens
         self.valid[:, column] = True
 
-    def attention_mask(self, start: int, end: int) -> torch.Tensor:
-        """Bool ``[B, 1, end - start, end]``, True = masked, for queries at columns ``[start, end)``
-        attending to keys ``[0, end)``: causal and never to padding.
+    @property
+    def padded(self) -> bool:
+        """Whether any row has left padding (prompts of different lengths)."""
+        return not bool(self.valid[:, : self.prompt_width].all())
 
-        Megatron's core attention takes this mask as-is (it only builds its own causal mask when
-        none is given), also in the KV-cached decode steps where it turns its causal mask off.
+    def attention_mask(self, start: int, end: int) -> Optional[torch.Tensor]:
+        """Bool ``[B, 1, end - start, end]``, True = masked, for queries at columns ``[start, end)``
+        attending to keys ``[0, end)``: causal and never to padding. None without padding.
+
+        Megatron's local core attention takes this mask as-is (it only builds its own causal mask
+        when none is given), also in the KV-cached decode steps where it turns its causal mask off.
         """
+        if not self.padded:
+            return None
         query_cols = torch.arange(start, end, device=self.tokens.device).unsqueeze(1)
         key_cols = torch.arange(end, device=self.tokens.device).unsqueeze(0)
         causal = key_cols <= query_cols  # [q, k]
@@ -76,10 +87,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int,
     if not prompts or min(lengths) == 0:
         raise ValueError("every prompt must have at least one token")
     budgets = [min(max_new_tokens, max_sequence_length - n) for n in lengths]
-    too_long = [i for i, b in enumerate(budgets) if b < 1]
-    if too_long:
-        i = too_long[0]
-        raise ValueError(f"prompt {i} has {lengths[i]} tokens, leaving no room to generate under "
+    if min(budgets) < 1:
+        raise ValueError(f"a prompt has {max(lengths)} tokens, leaving no room to generate under "
                          f"max_sequence_length={max_sequence_length}")
     width = max(lengths)
     total = width + max(budgets)

@@ -31,6 +31,17 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def accepts_padding_mask(model: torch.nn.Module) -> bool:
+    """Whether every attention layer is Megatron's local ``DotProductAttention``, which applies an
+    arbitrary boolean mask. Transformer Engine's attention reads masks by mask type (and ignores
+    them under the ``no_mask`` type Megatron switches to when decoding), so it gets no padding.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [m.core_attention for m in unwrap_model(model).modules() if hasattr(m, "core_attention")]
+    return all(isinstance(c, DotProductAttention) for c in cores)
+
+
 class StepRunner:
     """Runs generation steps for one ``PaddedBatch`` on this rank's pipeline stage."""
 

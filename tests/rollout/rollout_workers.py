@@ -93,6 +93,7 @@ def reference_worker(weights_dir: str) -> dict:
     out["hot"] = _summary(hot)
     out["hot_train"] = _training_check(model, hot, HOT.temperature)
     out.update(_stop_checks(model, out["greedy"]["tokens"][0]))
+    out["greedy_grouped"] = _summary(_generate_grouped_by_length(model))
     limit = len(PROMPTS[-1]) + 3
     out["short_limit"] = _summary(generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, max_sequence_length=limit))
     return out
@@ -108,6 +109,20 @@ def _stop_checks(model, greedy_row0: list[int]) -> dict:
                       tokenizer=TOKENIZER)
     return {"stop_id": stop_id, "stop_string": stop_string,
             "by_id": _summary(by_id), "by_string": _summary(by_str)}
+
+
+def _generate_grouped_by_length(model):
+    """The path taken for attention that cannot mask padding (TE): one batch per prompt length."""
+    import importlib
+    from unittest import mock
+
+    # The package exports the function ``generate``, which shadows the submodule's attribute name.
+    generate_module = importlib.import_module("megatron_cascade.rollout.generate")
+
+    with mock.patch.object(generate_module, "accepts_padding_mask", return_value=False) as probe:
+        batch = generate(model, PROMPTS + PROMPTS[:1], GREEDY, tokenizer=TOKENIZER)
+    assert probe.called
+    return batch
 
 
 def _with(params: SamplingParams, **changes) -> SamplingParams:

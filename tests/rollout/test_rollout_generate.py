@@ -55,6 +55,14 @@ def test_prompts_of_different_lengths_are_left_padded_correctly(ref):
     assert all(len(t) == GREEDY.max_new_tokens for t in ref["greedy"]["tokens"])
 
 
+def test_batching_by_prompt_length_matches_left_padding(ref):
+    # Prompts 0 and 3 have the same length and share a batch; the others run alone, unpadded.
+    got = ref["greedy_grouped"]
+    assert got["tokens"] == ref["greedy"]["tokens"] + ref["greedy"]["tokens"][:1]
+    assert got["index"] == [(i, 0) for i in range(len(PROMPTS) + 1)]
+    _close(got["logprobs"], ref["greedy"]["logprobs"] + ref["greedy"]["logprobs"][:1])
+
+
 def test_sampled_logprobs_are_renormalised_and_greedy_is_point_mass(ref):
     for lp, slp in zip(ref["sampled"]["logprobs"], ref["sampled"]["sampled_logprobs"]):
         # Removing padded ids, top-k and top-p only shrinks the normaliser.
