@@ -14,6 +14,7 @@ import torch
 
 from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_cascade.testing import run_distributed
+from megatron_cascade.testing.checkpoints import full_state_dict
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +41,7 @@ def _run_layout(model_cfg, parallel, tokens, weights, weights_dir, grads_dir, in
 
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
     from megatron_cascade.model import save_model_weights
+    from megatron_cascade.testing.checkpoints import save_gradients_as_checkpoint
 
     initialize_model_parallel(parallel, seed=1234)
     model = build_gpt_model(model_cfg, parallel)
@@ -68,10 +70,7 @@ def _run_layout(model_cfg, parallel, tokens, weights, weights_dir, grads_dir, in
         num_microbatches=1, seq_length=SEQ, micro_batch_size=local_tokens.shape[0], forward_only=False,
     )
     _sum_grads_over_data_parallel(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.grad)
-    save_model_weights(model, grads_dir, model_cfg)
+    save_gradients_as_checkpoint(model, grads_dir, model_cfg)
     logits = None
     if "logits" in captured:
         logits = gather_from_tensor_model_parallel_region(captured["logits"])
@@ -90,27 +89,14 @@ def _sum_grads_over_data_parallel(model):
         torch.distributed.all_reduce(p.grad, group=group)
 
 
-def _full_state(model_cfg, ckpt_dir):
-    """The checkpoint re-assembled into a TP=PP=EP=1 model: {name: full tensor}."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
-
-    ps.destroy_model_parallel()
-    initialize_model_parallel(ParallelConfig(), seed=0)
-    model = build_gpt_model(model_cfg, ParallelConfig())
-    load_model_weights(model, ckpt_dir, model_cfg)
-    return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-
-
 def _reference_worker(model_cfg, tokens, weights, tmp):
     logits = _run_layout(model_cfg, ParallelConfig(), tokens, weights, f"{tmp}/w", f"{tmp}/g_ref", init=True)
-    return logits, _full_state(model_cfg, f"{tmp}/g_ref")
+    return logits, full_state_dict(model_cfg, f"{tmp}/g_ref")
 
 
 def _layout_worker(model_cfg, parallel, tokens, weights, tmp, tag):
     logits = _run_layout(model_cfg, parallel, tokens, weights, f"{tmp}/w", f"{tmp}/g_{tag}")
-    return logits, _full_state(model_cfg, f"{tmp}/g_{tag}")
+    return logits, full_state_dict(model_cfg, f"{tmp}/g_{tag}")
 
 
 @pytest.fixture(scope="module")

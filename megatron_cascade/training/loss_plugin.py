@@ -1,0 +1,142 @@
+"""The Megatron-Core plug-in: ``forward_step`` returning ``(output, loss_func)`` for any loss kind.
+
+Normalisation (why the losses are exact under any batch split):
+    The pure losses divide by a *global* normaliser N (valid tokens, or sequences for MOPD
+    "sequence") counted over every micro-batch of every data-parallel rank before the step. Megatron
+    would add its own 1/num_microbatches (schedules) and 1/DP (DDP averaging); we switch both off with
+    ``config.calculate_per_token_loss = True`` (the schedule then neither divides the loss nor DDP the
+    gradients) and a ``finalize_model_grads_func`` that passes no token count. The gradient is then
+    the sum over micro-batches and replicas of (partial sum / N): the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_cascade.algorithms import grpo_loss, mopd_loss, sft_loss
+from megatron_cascade.config.training import LossConfig
+from megatron_cascade.ops import vocab_parallel_logprobs
+from megatron_cascade.training.batch import TrainBatch
+
+LOSS_KINDS = ("sft", "grpo", "mopd")
+_IS_MODES = {"icepop": "mask", "truncate": "truncate"}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a training step optimises.
+
+    Attributes:
+        kind: "sft" | "grpo" | "mopd".
+        loss: the loss section of the config.
+        temperature: the sampling temperature; log-probs are of softmax(logits / temperature).
+        vocab_size: real vocabulary size (padded embedding rows are left out of the softmax).
+    """
+
+    kind: str
+    loss: LossConfig
+    temperature: float = 1.0
+    vocab_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss kind {self.kind!r} is not one of {LOSS_KINDS}")
+        if self.loss.importance_correction not in (*_IS_MODES, "none"):
+            raise ValueError(f"loss.importance_correction={self.loss.importance_correction!r} is not one of "
+                             f"{[*_IS_MODES, 'none']}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def counts_sequences(self) -> bool:
+        """Whether the normaliser is a sequence count (MOPD "sequence") rather than a token count."""
+        return self.kind == "mopd" and self.loss.mopd_normalization == "sequence"
+
+
+def local_normalizer_count(spec: LossSpec, batch: TrainBatch) -> torch.Tensor:
+    """This rank's contribution to the global normaliser (float64 scalar)."""
+    mask = batch.loss_mask.bool()
+    count = mask.any(dim=-1).sum() if spec.counts_sequences else mask.sum()
+    return count.to(torch.float64)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, spec: LossSpec, tp_group) -> torch.Tensor:
+    """[B, S] log-probs of ``targets`` under softmax(logits / temperature); logits [B, S, V/TP]."""
+    if spec.temperature != 1.0:
+        logits = logits / spec.temperature
+    return vocab_parallel_logprobs(logits, targets, group=tp_group, vocab_size=spec.vocab_size)
+
+
+def compute_loss(spec: LossSpec, logprobs: torch.Tensor, micro: TrainBatch, normalizer: torch.Tensor):
+    """The configured pure loss on one micro-batch: ``(loss, metric sums)``."""
+    cfg = spec.loss
+    inference = None if cfg.importance_correction == "none" else micro.inference_logprobs
+    is_mode = _IS_MODES.get(cfg.importance_correction, "mask")
+    if spec.kind == "sft":
+        return sft_loss(logprobs, micro.loss_mask, normalizer=normalizer)
+    if spec.kind == "grpo":
+        if micro.advantages is None:
+            raise ValueError("a grpo step needs TrainBatch.advantages")
+        return grpo_loss(
+            logprobs, micro.advantages, micro.loss_mask,
+            old_logprobs=micro.old_logprobs, inference_logprobs=inference, ref_logprobs=micro.ref_logprobs,
+            clip_eps=(cfg.clip_eps_low, cfg.clip_eps_high), is_bounds=(cfg.is_low, cfg.is_high),
+            is_mode=is_mode, kl_coef=cfg.kl_coef, normalizer=normalizer,
+        )
+    if micro.teacher_logprobs is None:
+        raise ValueError("a mopd step needs TrainBatch.teacher_logprobs")
+    return mopd_loss(
+        logprobs, micro.teacher_logprobs, micro.loss_mask, inference_logprobs=inference,
+        is_bounds=(cfg.is_low, cfg.is_high), is_mode=is_mode, normalization=cfg.mopd_normalization,
+        normalizer=normalizer,
+    )
+
+
+def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] positions 0..S-1 (sequences are left-aligned, right-padded)."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
+def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Callable:
+    """A Megatron ``forward_step_func`` over an iterator of ``TrainBatch`` micro-batches.
+
+    Its ``loss_func`` returns ``(loss, num_tokens, metric_sums)``, the per-token-loss form of the
+    schedules (requires ``config.calculate_per_token_loss = True``, see module docstring).
+    """
+
+    def forward_step(data_iterator, model):
+        micro: TrainBatch = next(data_iterator)
+        logits = model(micro.input_ids, position_ids(micro.input_ids), None)
+
+        def loss_func(output: torch.Tensor):
+            logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
+            loss, metrics = compute_loss(spec, logprobs, micro, normalizer)
+            num_tokens = micro.loss_mask.bool().sum().to(torch.int)
+            # Clones: Megatron may scale the returned loss in place.
+            reported = {k: v.detach().clone() for k, v in metrics.items()}
+            reported["loss"] = loss.detach().clone()
+            return loss, num_tokens, reported
+
+        return logits, loss_func
+
+    return forward_step
+
+
+def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
+    """A forward-only ``forward_step_func`` that appends each micro-batch's [b, S] log-probs to ``sink``."""
+
+    def forward_step(data_iterator, model):
+        micro: TrainBatch = next(data_iterator)
+        logits = model(micro.input_ids, position_ids(micro.input_ids), None)
+
+        def loss_func(output: torch.Tensor):
+            logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
+            sink.append(logprobs.detach())
+            return torch.zeros((), device=output.device), {}
+
+        return logits, loss_func
+
+    return forward_step

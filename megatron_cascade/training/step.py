@@ -1,0 +1,173 @@
+"""One optimizer step on a rollout batch, and forward-only log-probs (teacher / reference / old)."""
+
+from __future__ import annotations
+
+import logging
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.algorithms import GRPO_METRIC_KEYS, MOPD_METRIC_KEYS, SFT_METRIC_KEYS, finalize_metrics
+from megatron_cascade.config.training import TrainingConfig
+from megatron_cascade.training.batch import TrainBatch
+from megatron_cascade.training.loss_plugin import (
+    LossSpec,
+    local_normalizer_count,
+    make_forward_step,
+    make_logprob_step,
+)
+from megatron_cascade.training.policy import Policy
+
+log = logging.getLogger(__name__)
+
+_METRIC_KEYS = {"sft": SFT_METRIC_KEYS, "grpo": GRPO_METRIC_KEYS, "mopd": MOPD_METRIC_KEYS}
+
+
+def _parallel_state():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def _tp_group():
+    ps = _parallel_state()
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def global_normalizer(spec: LossSpec, batch: TrainBatch) -> torch.Tensor:
+    """Valid tokens (or sequences) of the whole global batch: summed over data-parallel ranks."""
+    count = local_normalizer_count(spec, batch)
+    dist.all_reduce(count, group=_parallel_state().get_data_parallel_group())
+    return count
+
+
+def _run_schedule(chunks: list, forward_step, micros: list[TrainBatch], forward_only: bool) -> list:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micros) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(micros),
+        seq_length=micros[0].seq_length,
+        micro_batch_size=micros[0].size,
+        forward_only=forward_only,
+    )
+
+
+def _reduce_metric_sums(keys: tuple, per_micro: list[dict]) -> dict[str, float]:
+    """Sum metric dicts over micro-batches, data-parallel ranks and pipeline stages (only the last
+    stage has them), so that every rank holds the global sums."""
+    ps = _parallel_state()
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    for metrics in per_micro:
+        sums += torch.stack([metrics[k].to(torch.float64).reshape(()) for k in keys])
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+    return dict(zip(keys, sums.tolist()))
+
+
+def _grads_are_finite(policy: Policy) -> bool:
+    local_bad = torch.zeros((), dtype=torch.float32)
+    for param in policy.chunks[0].parameters():
+        grad = getattr(param, "main_grad", None)
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            local_bad.fill_(1.0)
+            break
+    dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)
+    return not bool(local_bad)
+
+
+def _zero_grads(policy: Policy) -> None:
+    for chunk in policy.chunks:
+        chunk.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+
+
+def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict:
+    """Forward+backward of the global loss; leaves the finalised (DP-reduced) gradient in the
+    policy's grad buffers. Collective over all ranks; returns global loss metrics (same on all ranks).
+    """
+    if policy.parallel.context_parallel_size > 1:
+        raise NotImplementedError("parallel.context_parallel_size > 1: splitting sequences over CP ranks "
+                                  "is not implemented in the training step")
+    micros = list(batch.padded_to_multiple(training.micro_batch_size).micro_batches(training.micro_batch_size))
+    normalizer = global_normalizer(spec, batch)
+    _zero_grads(policy)
+    for chunk in policy.chunks:
+        chunk.train()
+    per_micro = _run_schedule(policy.chunks, make_forward_step(spec, normalizer, _tp_group()), micros, False)
+    sums = _reduce_metric_sums(("loss", *_METRIC_KEYS[spec.kind]), per_micro)
+    return {k: float(v) for k, v in finalize_metrics(sums).items()}
+
+
+def apply_gradients(policy: Policy, training: TrainingConfig) -> dict[str, float]:
+    """Clip and apply the gradient in the grad buffers, then advance the lr schedule.
+
+    A gradient holding NaN/inf on any rank skips the step on all ranks (and is logged) when
+    ``training.skip_nonfinite_steps``. Returns ``grad_norm``, ``lr`` and ``skipped`` (0 or 1).
+    """
+    if training.skip_nonfinite_steps and not _grads_are_finite(policy):
+        log.warning("skipping optimizer step: non-finite gradients")
+        _zero_grads(policy)
+        return {"grad_norm": float("nan"), "skipped": 1.0, "lr": _current_lr(policy)}
+    ok, grad_norm, _ = policy.optimizer.step()
+    policy.scheduler.step(increment=1)
+    return {"grad_norm": float(grad_norm or 0.0), "skipped": 0.0 if ok else 1.0, "lr": _current_lr(policy)}
+
+
+def train_step(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict[str, float]:
+    """One optimizer step on this rank's share of the global batch; collective over all ranks.
+
+    Returns global metrics (the same on every rank): ``loss``, the loss metrics as means (e.g.
+    ``is_abs_log_ratio_mean``, ``clip_frac``, ``reverse_kl_mean``), ``tokens``, ``grad_norm``, ``lr``
+    and ``skipped`` (1.0 when the step was skipped for non-finite gradients).
+    """
+    metrics = compute_gradients(policy, batch, spec, training)
+    metrics.update(apply_gradients(policy, training))
+    return metrics
+
+
+def _current_lr(policy: Policy) -> float:
+    return float(policy.optimizer.param_groups[0]["lr"])
+
+
+def optimize_on_batch(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict:
+    """``training.ppo_epochs`` optimizer steps on one rollout batch (1 = strictly on-policy).
+
+    With several epochs, the log-probs of the policy before the first update become
+    ``old_logprobs`` (the PPO ratio's denominator). Returns the last step's metrics.
+    """
+    if training.ppo_epochs > 1 and batch.old_logprobs is None:
+        batch.old_logprobs = forward_logprobs(policy.chunks, batch, spec, training.micro_batch_size)
+    metrics: dict = {}
+    for _ in range(training.ppo_epochs):
+        metrics = train_step(policy, batch, spec, training)
+    return metrics
+
+
+@torch.no_grad()
+def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int) -> torch.Tensor:
+    """[B, S] log-probs of ``batch.target_ids`` under the model in ``chunks`` (forward only).
+
+    Works for the policy and for frozen models (teachers, references); the result is broadcast from
+    the last pipeline stage, so every rank gets it.
+    """
+    ps = _parallel_state()
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    padded = batch.padded_to_multiple(micro_batch_size)
+    sink: list[torch.Tensor] = []
+    try:
+        _run_schedule(chunks, make_logprob_step(spec, _tp_group(), sink), list(padded.micro_batches(micro_batch_size)),
+                      True)
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+    out = torch.cat(sink) if sink else torch.empty(padded.input_ids.shape, dtype=torch.float32)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        last = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(out, src=last, group=ps.get_pipeline_model_parallel_group())
+    return out[: batch.size]
+
