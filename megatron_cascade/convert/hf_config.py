@@ -131,13 +131,15 @@ def hf_config_from_model(
         intermediate_size=model.ffn_hidden_size or 4 * model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_query_groups or model.num_attention_heads,
-        head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
         vocab_size=model.vocab_size,
         max_position_embeddings=model.max_position_embeddings,
         rms_norm_eps=model.norm_epsilon,
         tie_word_embeddings=model.tie_embeddings,
         hidden_act="silu",
     )
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    if template is None or "head_dim" in template or head_dim * model.num_attention_heads != model.hidden_size:
+        hf["head_dim"] = head_dim
     _set_rope_theta(hf, model.rotary_base)
     hf.pop("dtype", None)
     hf["torch_dtype" if template is None or "torch_dtype" in template else "dtype"] = PRECISION_TO_HF[dtype]
