@@ -48,12 +48,16 @@ def generate(
     Prompts of different lengths are left-padded into one batch (see ``layout.py``); with attention
     that cannot take a padding mask (Transformer Engine) they are batched by prompt length instead.
     One generator seeded with ``params.seed`` drives all batches, so the result is reproducible for
-    the same prompts, params and model (and does not depend on the TP/PP layout).
+    the same prompts, params and model; across TP/PP layouts it agrees up to the float rounding of
+    the logits (the tests check TP=2 and PP=2 against one process). Data-parallel replicas are
+    independent: each calls ``generate`` on its own prompts (give them different seeds).
 
     Returns:
         ``RolloutBatch`` with ``len(prompts) * params.n`` samples, prompt-major.
     """
     gpt = _check_model(model)
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
     rows = [list(p) for p in prompts for _ in range(params.n)]
     limit = max_sequence_length or gpt.max_sequence_length
     device = next(gpt.parameters()).device
