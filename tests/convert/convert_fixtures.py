@@ -124,3 +124,84 @@ def parallel_worker(tmp: str, cfgs: dict) -> dict:
         reloaded = megatron_logits(cfg, ParallelConfig(), os.path.join(tmp, family, "saved_tp2"))
         out[family] = {"parallel": logits, "tp2_saved_tp1_loaded": reloaded}
     return out
+
+
+def export_worker(ckpt_dir: str, out_dir: str) -> str:
+    """World size 1: ``megatron_to_hf(ckpt_dir, out_dir)``."""
+    from megatron_cascade.convert import megatron_to_hf
+
+    return megatron_to_hf(ckpt_dir, out_dir)
+
+
+NEMO_YAML = """\
+_target_: nemo.collections.llm.gpt.model.llama.LlamaModel
+config:
+  _target_: nemo.collections.llm.gpt.model.llama.{config_class}
+  num_layers: 2
+  hidden_size: 64
+  ffn_hidden_size: 96
+  num_attention_heads: 4
+  num_query_groups: 2
+  kv_channels: 16
+  seq_length: 128
+  share_embeddings_and_output_weights: false
+  normalization: RMSNorm
+  layernorm_epsilon: 1.0e-05
+  rotary_base: 500000
+  vocab_size: 200
+  make_vocab_size_divisible_by: 128
+  position_embedding_type: rope
+  gated_linear_unit: true
+  activation_func:
+    _target_: torch.nn.functional.silu
+    _call_: false
+  add_bias_linear: false
+tokenizer:
+  _target_: nemo.collections.common.tokenizers.huggingface.auto_tokenizer.AutoTokenizer
+  pretrained_model_name: /nemo_tokenizer
+"""
+
+
+def nemo_model_config():
+    """The ModelConfig the NEMO_YAML describes."""
+    from megatron_cascade.config import ModelConfig
+
+    return ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                       kv_channels=16, vocab_size=200, max_position_embeddings=128, rotary_base=500000,
+                       norm_epsilon=1e-5)
+
+
+def write_nemo_dir(nemo_dir: str, config_class: str = "Llama3Config8B") -> None:
+    """A NeMo-2-style directory: random weights under ``weights/`` (keys ``module.``-prefixed), context/model.yaml."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_cascade.config import ParallelConfig
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    try:
+        model = build_gpt_model(nemo_model_config(), ParallelConfig())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+        os.makedirs(f"{nemo_dir}/weights")
+        dist_checkpointing.save(model.sharded_state_dict(prefix="module."), f"{nemo_dir}/weights")
+    finally:
+        parallel_state.destroy_model_parallel()
+    os.makedirs(f"{nemo_dir}/context/nemo_tokenizer")
+    with open(f"{nemo_dir}/context/model.yaml", "w") as f:
+        f.write(NEMO_YAML.format(config_class=config_class))
+    for name, content in TOKENIZER_FILES.items():
+        with open(f"{nemo_dir}/context/nemo_tokenizer/{name}", "w") as f:
+            json.dump(content, f)
+
+
+def nemo_worker(tmp: str) -> dict:
+    """World size 1: write a NeMo 2 dir, import it, export it to HF; logits of the NeMo weights and the import."""
+    from megatron_cascade.config import ParallelConfig
+    from megatron_cascade.convert import nemo2_to_megatron, megatron_to_hf
+
+    write_nemo_dir(f"{tmp}/nemo")
+    imported = nemo2_to_megatron(f"{tmp}/nemo", f"{tmp}/meg", tp=2)
+    megatron_to_hf(f"{tmp}/meg", f"{tmp}/hf")
+    return {"cfg": imported, "logits": megatron_logits(imported, ParallelConfig(), f"{tmp}/meg")}

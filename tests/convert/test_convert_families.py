@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from convert_fixtures import FAMILIES, TOKENIZER_FILES, convert_all_worker, parallel_worker
+from convert_fixtures import FAMILIES, TOKENIZER_FILES, convert_all_worker, export_worker, parallel_worker
 
 from megatron_cascade.convert.safetensors_io import INDEX_FILE, SafetensorsReader
 from megatron_cascade.testing import run_distributed
@@ -86,3 +86,12 @@ def test_wrong_architecture_is_refused(converted):
     _, single, _ = converted
     message = single["llama"]["wrong_arch_error"]
     assert "num_layers" in message and "checkpoint=2" in message and "model=3" in message
+
+
+def test_checkpoint_saved_by_megatron_at_tp2_exports_bit_identical(converted):
+    tmp, _, _ = converted
+    run_distributed(export_worker, 1, f"{tmp}/qwen3/saved_tp2", f"{tmp}/qwen3/hf_from_tp2", timeout_s=300)
+    src, back = SafetensorsReader(f"{tmp}/qwen3/hf"), SafetensorsReader(f"{tmp}/qwen3/hf_from_tp2")
+    assert sorted(back.tensors) == sorted(src.tensors)
+    for name in src.tensors:
+        assert torch.equal(src.get(name), back.get(name)), name
