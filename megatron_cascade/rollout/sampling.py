@@ -2,8 +2,8 @@
 
 All functions take full (TP-gathered) logits ``[B, V_padded]``. Two log-probs come out per token:
 
-* ``temperature_logprobs``: ``log_softmax(logits / T)`` over the whole padded vocabulary, the
-  trainer's convention (it computes exactly this from its own forward);
+* ``temperature_logprobs``: ``log_softmax(logits / T)`` over the real vocabulary (padded ids
+  left out), the trainer's convention (``vocab_parallel_logprobs(..., vocab_size=V)``);
 * ``sampled_logprobs``: under the distribution actually sampled from: temperature, padded
   vocabulary ids removed, then top-k, then top-p, renormalised.
 """
@@ -59,10 +59,13 @@ def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / T)`` in float32 over all columns (T=0 is treated as T=1): ``[B, V]``."""
+def temperature_logprobs(logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
+    """``log_softmax(logits / T)`` in float32 over the real vocabulary (T=0 is treated as T=1): ``[B, V]``.
+
+    Padded ids get -inf, exactly as the trainer leaves them out of its softmax.
+    """
     t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / t, dim=-1)
+    return torch.log_softmax(mask_padded_vocab(logits.float(), vocab_size) / t, dim=-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
@@ -74,7 +77,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
     gathered logits and an identically seeded generator, picks the same tokens.
     """
     logits = logits.float()
-    full_logprobs = temperature_logprobs(logits, params.temperature)
+    full_logprobs = temperature_logprobs(logits, params.temperature, vocab_size)
     allowed = mask_padded_vocab(logits, vocab_size)
     if params.greedy:
         tokens = allowed.argmax(dim=-1)

@@ -59,9 +59,11 @@ def _training_check(model, batch, temperature: float) -> dict:
     with torch.no_grad():
         logits = model(packed.tokens, packed.position_ids, None)  # [B, S, V/TP], causal
     mask = packed.loss_mask.bool()
-    trainer = vocab_parallel_logprobs(logits / t, packed.targets, group=ps.get_tensor_model_parallel_group())
+    trainer = vocab_parallel_logprobs(logits / t, packed.targets, group=ps.get_tensor_model_parallel_group(),
+                                      vocab_size=TOKENIZER.vocab_size)
     full = gather_from_tensor_model_parallel_region(logits).double()
-    ref = torch.log_softmax(full / t, dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    real = full[..., : TOKENIZER.vocab_size]
+    ref = torch.log_softmax(real / t, dim=-1).gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
     pad_mass = torch.softmax(full / t, dim=-1)[..., TOKENIZER.vocab_size:].sum(-1)[mask]
     return {
         "vs_trainer": (trainer - packed.inference_logprobs)[mask].abs().max().item(),

@@ -40,8 +40,8 @@ def test_greedy_and_top_k_one():
     greedy = sample(logits, SamplingParams(temperature=0.0), VOCAB, None)
     assert greedy.tokens.tolist() == [2, 2]
     assert greedy.sampled_logprobs.tolist() == [0.0, 0.0]
-    # Greedy reports the T=1 log-prob over the full padded vocabulary (trainer convention).
-    torch.testing.assert_close(greedy.temperature_logprobs, torch.log_softmax(logits, -1)[:, 2])
+    # Greedy reports the T=1 log-prob over the real vocabulary (trainer convention).
+    torch.testing.assert_close(greedy.temperature_logprobs, torch.log_softmax(logits[:, :VOCAB], -1)[:, 2])
     top1 = sample(logits, SamplingParams(temperature=1.0, top_k=1), VOCAB, _gen())
     assert top1.tokens.tolist() == [2, 2]
     assert top1.sampled_logprobs.abs().max() == 0.0
@@ -52,7 +52,7 @@ def test_logprob_conventions():
     params = SamplingParams(temperature=0.7, top_k=3)
     out = sample(logits, params, VOCAB, _gen(3))
     tokens = out.tokens
-    trainer = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    trainer = torch.log_softmax(logits[:, :VOCAB] / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(out.temperature_logprobs, trainer)
     truncated = filter_top_k(mask_padded_vocab(logits, VOCAB) / 0.7, 3)
     expected = torch.log_softmax(truncated, -1).gather(-1, tokens[:, None]).squeeze(-1)
