@@ -1,0 +1,226 @@
+"""Load a run config: YAML (with ``defaults`` includes and ``${...}`` interpolation), command-line
+``key.sub=value`` overrides, and validation against the schema (unknown keys and wrong types are
+errors naming the file, the key and a hint)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import fields, is_dataclass
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_cascade.config.model import ConfigError
+from megatron_cascade.config.schema import STAGE_TYPES, ResolvedStage, RolloutConfig, RunConfig, StageConfig
+from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
+
+_STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_STAGE_SECTIONS = {"optimizer": OptimizerConfig, "loss": LossConfig, "training": TrainingConfig,
+                   "rollout": RolloutConfig}
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read ``path`` (and its ``defaults`` includes), apply ``key=value`` overrides, validate.
+
+    Relative data paths in the file are resolved against the file's folder.
+    Raises ``ConfigError`` with the file, key and a hint.
+    """
+    raw = _read_with_includes(os.path.abspath(path), seen=())
+    schema = OmegaConf.structured(RunConfig)
+    merged = _merge(schema, raw, source=path)
+    for item in overrides:
+        _apply_override(merged, item)
+    try:
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, path) from None
+    _resolve_paths(cfg, os.path.dirname(os.path.abspath(path)))
+    validate_run(cfg, source=path)
+    return cfg
+
+
+def _read_with_includes(path: str, seen: tuple) -> DictConfig:
+    if path in seen:
+        raise ConfigError(f"{path}: 'defaults' includes form a cycle: {' -> '.join(seen + (path,))}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        node = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    includes = node.pop("defaults", [])
+    if not isinstance(includes, (list, ListConfig)):
+        raise ConfigError(f"{path}: 'defaults' must be a list of YAML files to merge first")
+    base = OmegaConf.create({})
+    for include in includes:
+        child = os.path.join(os.path.dirname(path), str(include))
+        base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,)))
+    return OmegaConf.merge(base, node)
+
+
+def _merge(schema: DictConfig, raw: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(schema, raw)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, source) from None
+
+
+def _apply_override(cfg: DictConfig, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.sub=value")
+    key, text = item.split("=", 1)
+    key = _stage_key_by_name(cfg, key.strip())
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        value = text
+    try:
+        OmegaConf.update(cfg, key, value, merge=True)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, f"command-line override {item!r}") from None
+
+
+def _stage_key_by_name(cfg: DictConfig, key: str) -> str:
+    """``stages.<name>.x`` -> ``stages.<index>.x`` so stages can be addressed by name."""
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] != "stages" or parts[1].isdigit():
+        return key
+    names = [stage.name for stage in cfg.stages]
+    if parts[1] not in names:
+        raise ConfigError(f"override {key!r}: no stage named {parts[1]!r} (stages: {names})")
+    return ".".join(["stages", str(names.index(parts[1])), *parts[2:]])
+
+
+def _config_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "?"
+    message = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    unknown_key = " not in " in message
+    hint = _hint_for(key) if unknown_key and "Did you mean" not in message else ""
+    return ConfigError(f"{source}: config key '{key}': {message}{hint}")
+
+
+def _hint_for(full_key: str) -> str:
+    """'did you mean ...' from the schema fields next to the bad key."""
+    parts = [p for p in re.split(r"[.\[\]]", full_key) if p]
+    node: Any = RunConfig
+    for part in parts[:-1]:
+        if part.isdigit() and node is RunConfig:
+            continue
+        node = _field_type(node, part)
+        if node is None:
+            return ""
+    if not (is_dataclass(node) and parts):
+        return ""
+    names = [f.name for f in fields(node)]
+    close = difflib.get_close_matches(parts[-1], names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(names)})"
+
+
+def _field_type(node: Any, name: str) -> Any:
+    if name.isdigit():
+        return StageConfig if node is RunConfig else None
+    if not is_dataclass(node):
+        return None
+    for f in fields(node):
+        if f.name == name:
+            if name == "stages":
+                return RunConfig  # list of StageConfig: the next part is an index
+            default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+            return type(default) if is_dataclass(default) else None
+    return None
+
+
+def _resolve_paths(cfg: RunConfig, base: str) -> None:
+    def resolve(path):
+        return path if path is None or os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
+
+    for domain in cfg.domains.values():
+        domain.train, domain.eval = resolve(domain.train), resolve(domain.eval)
+    if cfg.init_checkpoint is not None:
+        cfg.init_checkpoint = resolve(cfg.init_checkpoint)
+    stage_names = {s.name for s in cfg.stages}
+    for stage in cfg.stages:
+        stage.teachers = {d: t if t in stage_names else resolve(t) for d, t in stage.teachers.items()}
+
+
+def validate_run(cfg: RunConfig, source: str = "config") -> None:
+    """Cross-field checks the schema cannot express; ``ConfigError`` naming the key."""
+    if not cfg.stages:
+        raise ConfigError(f"{source}: 'stages' is empty: a run needs at least one stage")
+    seen: list[str] = []
+    for index, stage in enumerate(cfg.stages):
+        where = f"{source}: stages[{index}] ({stage.name})"
+        if not _STAGE_NAME.match(stage.name):
+            raise ConfigError(f"{where}: name must be letters, digits, '_', '-' or '.', got {stage.name!r}")
+        if stage.name in seen:
+            raise ConfigError(f"{where}: stage name {stage.name!r} is used twice")
+        if stage.type not in STAGE_TYPES:
+            raise ConfigError(f"{where}: type={stage.type!r} is not one of {list(STAGE_TYPES)}")
+        if stage.steps < 1 or stage.prompts_per_step < 1 or stage.samples_per_prompt < 1:
+            raise ConfigError(f"{where}: steps, prompts_per_step and samples_per_prompt must be >= 1")
+        if not stage.domains:
+            raise ConfigError(f"{where}: 'domains' is empty: name the domains (and weights) this stage trains on")
+        for domain, weight in stage.domains.items():
+            if domain not in cfg.domains:
+                raise ConfigError(f"{where}: domain {domain!r} is not defined under 'domains' "
+                                  f"(defined: {sorted(cfg.domains)})")
+            if weight <= 0:
+                raise ConfigError(f"{where}: domains.{domain} weight must be > 0, got {weight}")
+            if cfg.domains[domain].train is None:
+                raise ConfigError(f"{where}: domain {domain!r} has no 'train' file")
+        _validate_teachers(stage, seen, where)
+        seen.append(stage.name)
+        resolve_stage(cfg, stage)  # type-checks the stage's override sections
+
+
+def _validate_teachers(stage: StageConfig, earlier: list[str], where: str) -> None:
+    if stage.type != "mopd":
+        if stage.teachers:
+            raise ConfigError(f"{where}: 'teachers' is only used by mopd stages (this one is {stage.type})")
+        return
+    for domain in stage.domains:
+        if domain not in stage.teachers:
+            raise ConfigError(f"{where}: mopd needs a teacher for domain {domain!r} (teachers.{domain}: <stage name>)")
+    for domain, teacher in stage.teachers.items():
+        if domain not in stage.domains:
+            raise ConfigError(f"{where}: teachers.{domain}: the stage does not train on domain {domain!r}")
+        if os.path.sep in teacher or os.path.isdir(teacher):
+            if not os.path.isdir(teacher):
+                raise ConfigError(f"{where}: teachers.{domain}: checkpoint folder {teacher} does not exist")
+        elif teacher not in earlier:
+            raise ConfigError(f"{where}: teachers.{domain}={teacher!r} is neither an earlier stage "
+                              f"(earlier: {earlier}) nor a checkpoint folder")
+
+
+def resolve_stage(cfg: RunConfig, stage: StageConfig) -> ResolvedStage:
+    """Merge the stage's override sections over the run-level sections (type-checked)."""
+    sections = {}
+    for name, cls in _STAGE_SECTIONS.items():
+        base = OmegaConf.structured(getattr(cfg, name))
+        override = getattr(stage, name) or {}
+        try:
+            sections[name] = OmegaConf.to_object(OmegaConf.merge(base, override))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", "?")
+            message = str(getattr(exc, "msg", exc)).splitlines()[0]
+            hint = "" if "Did you mean" in message else _close(str(key), cls)
+            raise ConfigError(f"stage {stage.name!r}: '{name}.{key}': {message}{hint}") from None
+    return ResolvedStage(stage.name, stage.type, stage.steps, stage.prompts_per_step, stage.samples_per_prompt,
+                         dict(stage.domains), dict(stage.teachers), **sections)
+
+
+def _close(key: str, cls: type) -> str:
+    names = [f.name for f in fields(cls)]
+    close = difflib.get_close_matches(key.split(".")[-1], names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The fully resolved config as YAML (saved into the run directory)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

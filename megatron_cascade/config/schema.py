@@ -1,0 +1,145 @@
+"""Schema of a cascade run: run-level defaults, domains, and the list of stages.
+
+Every default lives in these dataclasses (and model.py / training.py) and nowhere else. A stage's
+``optimizer``/``loss``/``training``/``rollout`` sections are partial overrides of the run-level
+sections of the same name, merged (and type-checked) by ``config.loader``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from megatron_cascade.config.model import ModelConfig, ParallelConfig
+from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
+
+STAGE_TYPES = ("sft", "grpo", "mopd")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling for training rollouts (evaluation uses ``eval``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_strings: List[str] = field(default_factory=list)
+    overlong_policy: str = "zero"  # unfinished responses: zero (reward 0) | mask (left out of the loss)
+    filter_uninformative_groups: bool = True  # drop groups whose rewards are all equal
+    std_normalize_advantages: bool = True
+    advantage_baseline: str = "mean"  # mean | leave_one_out
+
+
+@dataclass
+class RewardSpec:
+    """A reward from the registry (or a dotted path ``pkg.module:function``) and its keyword args."""
+
+    name: str = "math"
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0  # a call running longer scores 0 and is counted as an error
+
+
+@dataclass
+class DomainConfig:
+    """One data domain: JSONL files and the reward that scores it."""
+
+    train: Optional[str] = None  # JSONL path, relative to the config file's folder
+    eval: Optional[str] = None
+    reward: RewardSpec = field(default_factory=RewardSpec)
+
+
+@dataclass
+class DataConfig:
+    on_bad_row: str = "skip"  # skip (report file:line and go on) | error (stop at the first bad row)
+    max_prompt_tokens: int = 512  # longer prompts are bad rows
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation after every stage (stage x domain table in the manifest)."""
+
+    enabled: bool = True
+    max_prompts: int = 64  # per domain
+    max_new_tokens: Optional[int] = None  # null = rollout.max_new_tokens
+    temperature: float = 0.0  # 0 = greedy pass@1
+    samples: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10  # 0 = only at the end of a stage (and on a preemption signal)
+    keep_last: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    log_every_steps: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    """The machine a dry run plans for (a real run uses the processes it was launched with)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+
+
+@dataclass
+class StageConfig:
+    """One stage of the cascade. Sections left null inherit the run-level ones."""
+
+    name: str = "???"
+    type: str = "grpo"  # sft | grpo | mopd
+    steps: int = 10
+    prompts_per_step: int = 16  # global, over all data-parallel ranks
+    samples_per_prompt: int = 4  # G (sft: ignored)
+    domains: Dict[str, float] = field(default_factory=dict)  # domain -> sampling weight
+    teachers: Dict[str, str] = field(default_factory=dict)  # mopd: domain -> stage name or weights dir
+    optimizer: Optional[Dict[str, Any]] = None
+    loss: Optional[Dict[str, Any]] = None
+    training: Optional[Dict[str, Any]] = None
+    rollout: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class RunConfig:
+    """A whole cascade run."""
+
+    output_dir: str = "???"
+    seed: int = 1234
+    tokenizer: str = "builtin:char"  # builtin:char | local Hugging Face tokenizer folder
+    init_checkpoint: Optional[str] = None  # weights dir (or converted HF) to start from; null = random
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    domains: Dict[str, DomainConfig] = field(default_factory=dict)
+    stages: List[StageConfig] = field(default_factory=list)
+
+
+@dataclass
+class ResolvedStage:
+    """A stage with every section merged over the run-level defaults (what the runner uses)."""
+
+    name: str
+    type: str
+    steps: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    domains: Dict[str, float]
+    teachers: Dict[str, str]
+    optimizer: OptimizerConfig
+    loss: LossConfig
+    training: TrainingConfig
+    rollout: RolloutConfig
