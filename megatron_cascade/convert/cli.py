@@ -1,14 +1,17 @@
 """``megatron-cascade convert ...``: checkpoint conversion subcommands.
 
 ``register(subparsers)`` adds the ``convert`` command to the main CLI; every subcommand sets
-``args.func`` (called with ``args``, returning an exit status).
+``args.func``: called with ``args``, it returns an exit status (0, or 2 after printing a
+``ConversionError`` as one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from typing import Callable
 
 from megatron_cascade.convert.errors import ConversionError
 
@@ -67,6 +70,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``fn`` with a ``ConversionError`` turned into a one-line message on stderr and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ConversionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``convert`` and its subcommands to an ``argparse`` subparsers object; returns its parser."""
     convert = subparsers.add_parser("convert", help="convert checkpoints: Hugging Face <-> Megatron, NeMo 2 import")
@@ -79,47 +96,39 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="embedding rows are zero-padded to a multiple of this (default 128)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="cast weights (default: config dtype)")
-    p.set_defaults(func=_hf_to_megatron)
+    p.set_defaults(func=_guarded(_hf_to_megatron))
 
     p = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> Hugging Face safetensors")
     p.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
     p.add_argument("--out", required=True, help="new (empty) output directory")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast tensors (default: stored dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
-    p.set_defaults(func=_megatron_to_hf)
+    p.set_defaults(func=_guarded(_megatron_to_hf))
 
     p = sub.add_parser("reshard", help="validated copy for a TP/PP/EP layout (dist checkpoints load at any layout)")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     _add_layout(p)
-    p.set_defaults(func=_reshard)
+    p.set_defaults(func=_guarded(_reshard))
 
     p = sub.add_parser("nemo2-to-megatron", help="NeMo 2 checkpoint (context/ + weights/) -> Megatron checkpoint")
     p.add_argument("--nemo", required=True, help="NeMo 2 checkpoint directory")
     p.add_argument("--out", required=True)
     _add_layout(p)
-    p.set_defaults(func=_nemo2)
+    p.set_defaults(func=_guarded(_nemo2))
 
     p = sub.add_parser("inspect", help="config, tensor names/shapes/dtypes and totals (metadata only)")
     p.add_argument("path", help="Hugging Face, Megatron or NeMo 2 checkpoint directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="summary only")
-    p.set_defaults(func=_inspect)
+    p.set_defaults(func=_guarded(_inspect))
     return convert
-
-
-def run(args: argparse.Namespace) -> int:
-    """Call ``args.func``; a ``ConversionError`` becomes a one-line message on stderr and exit status 2."""
-    try:
-        return args.func(args)
-    except ConversionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point: ``python -m megatron_cascade.convert <subcommand> ...``."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_cascade.convert")
+    parser = argparse.ArgumentParser(prog="python -m megatron_cascade")
     subparsers = parser.add_subparsers(dest="command", required=True)
     register(subparsers)
-    return run(parser.parse_args(["convert", *(argv if argv is not None else sys.argv[1:])]))
+    args = parser.parse_args(["convert", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)

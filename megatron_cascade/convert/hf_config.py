@@ -9,12 +9,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+
 from megatron_cascade.config.model import ModelConfig, MoEConfig
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.families import QWEN3_MOE, Family, family_by_architecture
 
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 PRECISION_TO_HF = {v: k for k, v in HF_DTYPES.items()}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict | None]:

@@ -10,13 +10,12 @@ from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.families import (
     Family, all_hf_names, check_family_supported, hf_global_names, hf_layer_names,
 )
-from megatron_cascade.convert.hf_config import model_config_from_hf
+from megatron_cascade.convert.hf_config import TORCH_DTYPES, model_config_from_hf
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files, read_hf_config
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
 from megatron_cascade.convert.safetensors_io import SafetensorsReader
 from megatron_cascade.convert.tensor_maps import to_megatron
-from megatron_cascade.model.builder import _PRECISIONS
 
 # Tensors HF checkpoints may carry that the model recomputes (ignored on import).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,7 +49,7 @@ def hf_to_megatron(
     _check_names(weights, family, model, hf_dir)
     with megatron_runtime():
         skeleton = build_skeleton(model)
-        writer = DistCheckpointWriter(out_dir, skeleton, model, _PRECISIONS[model.precision])
+        writer = DistCheckpointWriter(out_dir, skeleton, model, TORCH_DTYPES[model.precision])
         for meg, hf in hf_global_names(model).items():
             writer.write(_convert({meg: hf}, weights, model))
         for layer in range(model.num_layers):

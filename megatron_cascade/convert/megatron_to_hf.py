@@ -14,12 +14,11 @@ from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.families import (
     check_family_supported, family_by_architecture, family_of_model, hf_global_names, hf_layer_names,
 )
-from megatron_cascade.convert.hf_config import hf_config_from_model
+from megatron_cascade.convert.hf_config import TORCH_DTYPES, hf_config_from_model
 from megatron_cascade.convert.hf_files import HF_SUBDIR, CONFIG_FILE, copy_side_files, write_hf_config
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
 from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter, parse_size
 from megatron_cascade.convert.tensor_maps import to_hf
-from megatron_cascade.model.builder import _PRECISIONS
 from megatron_cascade.model.checkpoint import CheckpointError, read_model_config
 
 
@@ -60,14 +59,14 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max
     with megatron_runtime():
         reader = DistCheckpointReader(ckpt_dir, build_skeleton(model))
         stored = reader.dtype_of("embedding.word_embeddings.weight")
-        target = _PRECISIONS[dtype] if dtype else stored
+        target = TORCH_DTYPES[dtype] if dtype else stored
         writer = ShardedSafetensorsWriter(out_dir, parse_size(max_shard_size))
         for meg, hf in hf_global_names(model).items():
             _export({meg: hf}, reader, writer, model, target)
         for layer in range(model.num_layers):
             _export(hf_layer_names(family, model, layer), reader, writer, model, target)
         writer.finish()
-    precision = {v: k for k, v in _PRECISIONS.items()}[target]
+    precision = {v: k for k, v in TORCH_DTYPES.items()}[target]
     write_hf_config(out_dir, hf_config_from_model(model, family, template, precision))
     copy_side_files(os.path.join(ckpt_dir, HF_SUBDIR), out_dir)
     return family.architecture
