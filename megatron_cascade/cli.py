@@ -1,20 +1,113 @@
-"""Command line: ``megatron-cascade run|eval|report|stages|convert``."""
+"""Command line: ``megatron-cascade run|stages|eval|report|convert``.
+
+    megatron-cascade run CONFIG [key=value ...] [--stage NAME] [--dry-run]
+    megatron-cascade stages CONFIG [key=value ...]        # <stage>\t<complete|partial|pending>
+    megatron-cascade eval CONFIG [key=value ...] [--weights DIR]
+    megatron-cascade report OUTPUT_DIR
+    megatron-cascade convert {hf-to-megatron,megatron-to-hf,reshard,nemo2-to-megatron,inspect} ...
+
+Distributed runs take RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the launcher (torchrun, or
+slurm/stage.sbatch); without them a run is one process.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
+
+from megatron_cascade.config import ConfigError, load_config
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    level = logging.INFO if rank == "0" else logging.WARNING
+    logging.basicConfig(level=level, format=f"[%(asctime)s r{rank} %(name)s] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    from megatron_cascade.testing.cpu_mode import silence_cpu_warnings
+
+    silence_cpu_warnings()
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from megatron_cascade.cascade.plan import describe_plan
+
+        print(describe_plan(cfg))
+        return 0
+    from megatron_cascade.cascade.runner import run_cascade
+
+    return run_cascade(cfg, only_stage=args.stage)
+
+
+def _cmd_stages(args: argparse.Namespace) -> int:
+    from megatron_cascade.cascade.manifest import stage_status
+
+    cfg = load_config(args.config, args.overrides)
+    for stage in cfg.stages:
+        print(f"{stage.name}\t{stage_status(cfg.output_dir, stage.name)}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from megatron_cascade.cascade.evaluate_cli import evaluate_weights
+
+    cfg = load_config(args.config, args.overrides)
+    scores = evaluate_weights(cfg, args.weights)
+    if scores is not None:
+        print(json.dumps(scores, indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from megatron_cascade.cascade.report import format_table, write_report_png
+
+    if not os.path.isfile(os.path.join(args.output_dir, "manifest.json")):
+        raise ConfigError(f"{args.output_dir} has no manifest.json: not a megatron-cascade run directory")
+    print(format_table(args.output_dir))
+    print(f"wrote {write_report_png(args.output_dir)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-cascade", description="Cascade RL and MOPD on Megatron-Core.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run (or resume) the cascade of a config")
+    run.add_argument("config")
+    run.add_argument("overrides", nargs="*", help="key.sub=value (stages by name: stages.if_rl.steps=5)")
+    run.add_argument("--stage", help="run only this stage (earlier stages must be complete)")
+    run.add_argument("--dry-run", action="store_true", help="validate; print layout, memory and stage plan")
+    run.set_defaults(func=_cmd_run)
+    stages = sub.add_parser("stages", help="print each stage's status in OUTPUT_DIR")
+    stages.add_argument("config")
+    stages.add_argument("overrides", nargs="*")
+    stages.set_defaults(func=_cmd_stages)
+    ev = sub.add_parser("eval", help="score weights on every domain's eval set")
+    ev.add_argument("config")
+    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--weights", help="weights folder (default: the last complete stage)")
+    ev.set_defaults(func=_cmd_eval)
+    report = sub.add_parser("report", help="print the stage x domain table and write report.png")
+    report.add_argument("output_dir")
+    report.set_defaults(func=_cmd_report)
+    from megatron_cascade.convert.cli import register
+
+    register(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-cascade", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a cascade config")
-    run.add_argument("config")
-    run.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    print(f"megatron-cascade {args.command}: not yet available", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"megatron-cascade: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

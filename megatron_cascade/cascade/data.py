@@ -1,0 +1,133 @@
+"""Prompt datasets: JSONL rows per domain, validated, and a deterministic weighted mixer.
+
+A row is one JSON object: ``prompt`` (str) or ``messages`` (chat list), optional ``domain``
+(must match the domain it is listed under), ``response`` (the SFT target), and whatever fields the
+domain's reward reads (``answer``, ``tests``, ``instructions``, ``schema``...). A malformed row is
+reported with ``file:line`` and skipped, or stops the run, per ``data.on_bad_row``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_cascade.config.model import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data row or file that cannot be used; the message names file:line."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt, tokenised, with its raw row (the reward reads it)."""
+
+    domain: str
+    prompt_ids: tuple[int, ...]
+    row: dict
+    source: str  # file:line
+
+    @property
+    def response(self) -> Optional[str]:
+        return self.row.get("response")
+
+
+def _messages(row: dict) -> list[dict]:
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise DataError("'messages' must be a list of {role, content} objects")
+        return messages
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise DataError("a row needs a non-empty string 'prompt' or a 'messages' list")
+    return [{"role": "user", "content": prompt}]
+
+
+def _parse_row(line: str, domain: str, tokenizer, need_response: bool, max_prompt_tokens: int) -> Example:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise DataError("a row must be a JSON object")
+    if row.get("domain", domain) != domain:
+        raise DataError(f"row says domain {row['domain']!r} but is listed under domain {domain!r}")
+    if need_response and not isinstance(row.get("response"), str):
+        raise DataError("an sft stage needs a string 'response' in every row")
+    try:
+        ids = tokenizer.apply_chat_template(_messages(row), add_generation_prompt=True)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizer errors name the bad character etc.
+        raise DataError(f"cannot tokenise the prompt: {exc}") from None
+    if len(ids) > max_prompt_tokens:
+        raise DataError(f"prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
+    return Example(domain, tuple(ids), row, "")
+
+
+def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
+                  max_prompt_tokens: int = 512) -> list[Example]:
+    """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal."""
+    if on_bad_row not in ("skip", "error"):
+        raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of ['skip', 'error']")
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open data file: {exc.strerror}") from None
+    examples, bad = [], 0
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                example = _parse_row(line, domain, tokenizer, need_response, max_prompt_tokens)
+            except DataError as exc:
+                if on_bad_row == "error":
+                    raise DataError(f"{where}: {exc}") from None
+                log.warning("%s: skipping bad row: %s", where, exc)
+                bad += 1
+                continue
+            examples.append(Example(example.domain, example.prompt_ids, example.row, where))
+    if not examples:
+        raise DataError(f"{path}: no usable rows ({bad} bad)")
+    if bad:
+        log.warning("%s: %d bad row(s) skipped, %d used", path, bad, len(examples))
+    return examples
+
+
+class PromptMixer:
+    """Draws a step's prompts from several domains by weight, deterministically from (seed, step).
+
+    The same (seed, step) always gives the same prompts, on every rank and after a resume, so the
+    data position of a run is just its step number.
+    """
+
+    def __init__(self, datasets: dict[str, list[Example]], weights: dict[str, float], seed: int) -> None:
+        self.domains = sorted(weights)
+        missing = [d for d in self.domains if not datasets.get(d)]
+        if missing:
+            raise DataError(f"no examples for domain(s) {missing}")
+        self.datasets = datasets
+        total = sum(weights[d] for d in self.domains)
+        self.probs = torch.tensor([weights[d] / total for d in self.domains], dtype=torch.float64)
+        self.seed = seed
+
+    def draw(self, step: int, count: int) -> list[Example]:
+        """``count`` examples for ``step``: domains by weight, examples uniformly within a domain."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        picks = torch.multinomial(self.probs, count, replacement=True, generator=gen).tolist()
+        out = []
+        for index in picks:
+            pool = self.datasets[self.domains[index]]
+            out.append(pool[int(torch.randint(len(pool), (1,), generator=gen))])
+        return out
+

@@ -1,0 +1,35 @@
+"""``megatron-cascade eval``: score a weights folder on every domain's held-out set."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_cascade.cascade.evaluation import evaluate
+from megatron_cascade.cascade.runner import build_context
+from megatron_cascade.cascade.runtime import init_distributed, is_main_rank, shutdown_distributed
+from megatron_cascade.config import ConfigError, RunConfig
+from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights, resolve_layout
+
+
+def evaluate_weights(cfg: RunConfig, weights: Optional[str]) -> Optional[dict[str, float]]:
+    """Scores per domain (on rank 0; None elsewhere). ``weights`` None = the last complete stage."""
+    init_distributed()
+    try:
+        resolve_layout(cfg.model, cfg.parallel, dist.get_world_size())
+        initialize_model_parallel(cfg.parallel, cfg.seed)
+        ctx = build_context(cfg)
+        if weights is None:
+            done = [s.name for s in cfg.stages if ctx.manifest.is_complete(s.name)]
+            if not done:
+                raise ConfigError(f"no complete stage in {cfg.output_dir}; pass --weights DIR")
+            weights = ctx.manifest.final_weights(done[-1])
+        model = build_gpt_model(cfg.model, cfg.parallel)
+        load_model_weights(model, weights, cfg.model)
+        max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        scores = evaluate(model, ctx.eval_sets, ctx.eval_rewards, cfg.domains, ctx.tokenizer, cfg.eval, max_new,
+                          tuple(cfg.rollout.stop_strings), seed=cfg.seed)
+        return scores if is_main_rank() else None
+    finally:
+        shutdown_distributed()

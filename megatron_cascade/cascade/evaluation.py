@@ -1,0 +1,40 @@
+"""Held-out evaluation: every domain's eval set, greedy (or sampled) pass@1 with its verifier."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.cascade.data import Example
+from megatron_cascade.cascade.scoring import score_responses
+from megatron_cascade.config.schema import DomainConfig, EvalConfig
+from megatron_cascade.rollout import SamplingParams, generate
+
+
+def _data_parallel():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+
+def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
+             domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, max_new_tokens: int,
+             stop_strings: tuple[str, ...], seed: int) -> dict[str, float]:
+    """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective."""
+    dp_rank, dp_size, dp_group = _data_parallel()
+    scores = {}
+    for domain in sorted(eval_sets):
+        examples = eval_sets[domain][: eval_cfg.max_prompts]
+        mine = examples[dp_rank::dp_size]
+        params = SamplingParams(temperature=eval_cfg.temperature, max_new_tokens=max_new_tokens,
+                                stop_strings=stop_strings, n=eval_cfg.samples, seed=seed + dp_rank)
+        total = torch.zeros(2, dtype=torch.float64)
+        if mine:
+            rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer)
+            texts = [tokenizer.decode(s.response_ids) for s in rollouts]
+            rows = [mine[s.prompt_index].row for s in rollouts]
+            values, _, _ = score_responses(rewards, domains, texts, rows, [domain] * len(texts))
+            total += torch.tensor([float(values.sum()), float(len(values))], dtype=torch.float64)
+        dist.all_reduce(total, group=dp_group)
+        scores[domain] = float(total[0] / max(total[1], 1.0))
+    return scores

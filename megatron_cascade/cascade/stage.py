@@ -1,0 +1,321 @@
+"""One stage of the cascade (sft, grpo or mopd): the step loop, checkpoints, final weights, evaluation.
+
+Per step: draw prompts (domains mixed by weight, deterministic in (seed, step)), take this
+data-parallel rank's share, generate G responses per prompt, score them, build advantages (GRPO)
+or teacher log-probs (MOPD), one optimizer step (``training.optimize_on_batch``), log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.algorithms import apply_overlong_policy, group_advantages, informative_groups
+from megatron_cascade.cascade.batches import rollout_batch, sft_batch
+from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
+from megatron_cascade.cascade.evaluation import evaluate
+from megatron_cascade.cascade.logger import StageLogger
+from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
+from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
+from megatron_cascade.cascade.scoring import build_domain_rewards, score_responses
+from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, TeacherPool
+from megatron_cascade.config.model import ConfigError
+from megatron_cascade.config.schema import ResolvedStage, RunConfig
+from megatron_cascade.model import build_gpt_model, load_model_weights
+from megatron_cascade.rollout import SamplingParams, generate
+from megatron_cascade.training import LossSpec, TrainBatch, build_policy, forward_logprobs, optimize_on_batch
+from megatron_cascade.training.checkpoint import (
+    load_training_checkpoint,
+    read_latest,
+    save_final_weights,
+    save_training_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    """What every stage of a run shares."""
+
+    cfg: RunConfig
+    tokenizer: object
+    manifest: Manifest
+    preemption: PreemptionWatch
+    eval_sets: dict[str, list[Example]]
+    eval_rewards: dict
+
+
+def _dp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+
+def _reseed(seed: int) -> None:
+    """Same RNG state at a stage's start whatever ran before it in this process (resume = fresh run)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def start_weights(ctx: RunContext, index: int) -> str | None:
+    """Where stage ``index`` starts from: the previous stage's final weights, or init_checkpoint."""
+    if index == 0:
+        return ctx.cfg.init_checkpoint
+    previous = ctx.cfg.stages[index - 1].name
+    path = ctx.manifest.final_weights(previous)
+    if path is None:
+        raise RuntimeError(f"stage {ctx.cfg.stages[index].name!r} starts from stage {previous!r}, "
+                           f"which is not complete in {ctx.manifest.path}; run the cascade in order")
+    return path
+
+
+def teacher_paths(ctx: RunContext, stage: ResolvedStage) -> dict[str, str]:
+    """MOPD teachers as weights folders: an earlier stage's final weights, or a given folder."""
+    out = {}
+    for domain, teacher in stage.teachers.items():
+        if teacher in {s.name for s in ctx.cfg.stages}:
+            path = ctx.manifest.final_weights(teacher)
+            if path is None:
+                raise ConfigError(f"stage {stage.name!r}: teachers.{domain}={teacher!r} is not a complete stage yet")
+            out[domain] = path
+        else:
+            out[domain] = teacher
+    return out
+
+
+class StageRunner:
+    """Runs one resolved stage to completion (resuming from its last checkpoint if there is one)."""
+
+    def __init__(self, ctx: RunContext, index: int, stage: ResolvedStage) -> None:
+        self.ctx, self.index, self.stage = ctx, index, stage
+        self.cfg = ctx.cfg
+        self.tok = ctx.tokenizer
+        self.dp_rank, self.dp_size, self.dp_group = _dp()
+        if stage.prompts_per_step % self.dp_size:
+            raise ConfigError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} is not divisible "
+                              f"by the data-parallel size {self.dp_size}")
+        self.spec = LossSpec(stage.type, stage.loss, temperature=self._train_temperature(),
+                             vocab_size=self.tok.vocab_size)
+        self.ckpt_root = checkpoint_root(self.cfg.output_dir, stage.name)
+
+    def _train_temperature(self) -> float:
+        t = self.stage.rollout.temperature
+        return 1.0 if self.stage.type == "sft" or t <= 0 else t
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _build(self) -> int:
+        _reseed(self.cfg.seed + 1000 * self.index)
+        self.policy = build_policy(self.cfg.model, self.cfg.parallel, self.stage.optimizer, self.stage.steps)
+        latest = read_latest(self.ckpt_root)
+        if latest is not None:
+            state = load_training_checkpoint(latest, self.policy)
+            log.info("stage %s: resuming from %s (step %d)", self.stage.name, latest, state["step"])
+            first_step = int(state["step"])
+        else:
+            first_step = 0
+            start = start_weights(self.ctx, self.index)
+            if start is not None:
+                load_model_weights(self.policy.module, start, self.cfg.model)
+        self.start_path = start_weights(self.ctx, self.index)
+        need_response = self.stage.type == "sft"
+        self.datasets = {d: load_examples(self.cfg.domains[d].train, d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
+                                          need_response=need_response,
+                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens)
+                         for d in self.stage.domains}
+        self.mixer = PromptMixer(self.datasets, self.stage.domains, seed=self.cfg.seed + 7919 * self.index)
+        self.rewards = build_domain_rewards(self.cfg.domains, self.stage.domains) if self.stage.type != "sft" else {}
+        self.teachers = None
+        if self.stage.type == "mopd":
+            self.teachers = TeacherPool(teacher_paths(self.ctx, self.stage), self.cfg.model, self.cfg.parallel,
+                                        self.tok.fingerprint())
+        self.reference = self._reference_model()
+        return first_step
+
+    def _reference_model(self):
+        """Frozen stage-start weights for the KL term (only when loss.kl_coef > 0)."""
+        if self.stage.type != "grpo" or self.stage.loss.kl_coef == 0:
+            return None
+        model = build_gpt_model(self.cfg.model, self.cfg.parallel).eval()
+        if self.start_path is not None:
+            load_model_weights(model, self.start_path, self.cfg.model)
+        else:
+            model.load_state_dict(self.policy.module.state_dict())
+        for param in model.parameters():
+            param.requires_grad_(False)
+        return model
+
+    # -- loop ----------------------------------------------------------------------------------
+    def run(self, global_offset: int) -> dict:
+        first_step = self._build()
+        logging_cfg = self.cfg.logging
+        logger = StageLogger(self.cfg.output_dir, self.stage.name, self.stage.steps, first_step, global_offset,
+                             logging_cfg.tensorboard, logging_cfg.progress_bar)
+        try:
+            for step in range(first_step, self.stage.steps):
+                metrics = self._step(step)
+                logger.log_step(step, metrics)
+                self._maybe_checkpoint(step + 1)
+            record = self._finish(logger)
+        finally:
+            logger.close()
+        return record
+
+    def _maybe_checkpoint(self, done: int) -> None:
+        every = self.cfg.checkpoint.every_steps
+        if self.ctx.preemption.requested():
+            save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
+                                     self.cfg.checkpoint.keep_last)
+            raise Preempted(f"stage {self.stage.name}: checkpointed at step {done} on a preemption signal")
+        if every and done % every == 0 and done < self.stage.steps:
+            save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
+                                     self.cfg.checkpoint.keep_last)
+
+    def _my_share(self, step: int) -> list[Example]:
+        examples = self.mixer.draw(step, self.stage.prompts_per_step)
+        per_rank = self.stage.prompts_per_step // self.dp_size
+        return examples[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+
+    def _step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        examples = self._my_share(step)
+        if self.stage.type == "sft":
+            batch, sums, timing = sft_batch(examples, self.tok), {}, {}
+        else:
+            batch, sums, timing = self._rollout_step(step, examples)
+        train_start = time.perf_counter()
+        metrics = optimize_on_batch(self.policy, batch, self.spec, self.stage.training)
+        timing["time/train_s"] = time.perf_counter() - train_start
+        sums["tokens_processed"] = float(batch.input_ids.numel())
+        metrics.update(self._reduce(sums))
+        elapsed = time.perf_counter() - start
+        metrics.update(timing)
+        metrics["time/step_s"] = elapsed
+        metrics["throughput/tokens_per_s"] = metrics.pop("tokens_processed") / elapsed
+        return metrics
+
+    def _sampling(self, step: int, n: int) -> SamplingParams:
+        r = self.stage.rollout
+        seed = (self.cfg.seed * 1_000_003 + self.index * 10_007 + step) * 131 + self.dp_rank
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                              stop_strings=tuple(r.stop_strings), n=n, seed=seed)
+
+    def _rollout_step(self, step: int, examples: list[Example]):
+        G = self.stage.samples_per_prompt
+        t0 = time.perf_counter()
+        rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
+                            tokenizer=self.tok)
+        gen_s = time.perf_counter() - t0
+        texts = [self.tok.decode(s.response_ids) for s in rollouts]
+        owners = [examples[s.prompt_index] for s in rollouts]
+        domains = [e.domain for e in owners]
+        scores, errors, reward_s = score_responses(self.rewards, self.cfg.domains, texts, [e.row for e in owners],
+                                                   domains)
+        finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
+        rewards = scores.view(len(examples), G)
+        rewards, keep = apply_overlong_policy(rewards, finished.view(len(examples), G),
+                                              policy=self.stage.rollout.overlong_policy)
+        sums = self._rollout_sums(rollouts, scores, domains, errors)
+        if self.stage.type == "grpo":
+            batch = self._grpo_batch(rollouts, rewards, keep, sums)
+        else:
+            batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=None)
+            batch.teacher_logprobs = self._teacher_logprobs(batch, domains)
+        timing = {"time/generation_s": gen_s, "time/reward_s": reward_s}
+        return batch, sums, timing
+
+    def _grpo_batch(self, rollouts, rewards: torch.Tensor, keep: torch.Tensor, sums: dict) -> TrainBatch:
+        r = self.stage.rollout
+        advantages = group_advantages(rewards, std_normalize=r.std_normalize_advantages, baseline=r.advantage_baseline,
+                                      valid=keep)
+        informative = informative_groups(rewards, valid=keep)
+        sums["groups"] = float(rewards.shape[0])
+        sums["groups_informative"] = float(informative.sum())
+        if r.filter_uninformative_groups:
+            keep = keep & informative.unsqueeze(1)
+        sums["advantage_abs_sum"] = float((advantages.abs() * keep).sum())
+        batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=advantages.flatten().float())
+        if self.reference is not None:
+            batch.ref_logprobs = forward_logprobs([self.reference], batch, self.spec,
+                                                  self.stage.training.micro_batch_size)
+        return batch
+
+    def _teacher_logprobs(self, batch: TrainBatch, domains: list[str]) -> torch.Tensor:
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for domain in sorted(set(domains)):
+            rows = torch.tensor([i for i, d in enumerate(domains) if d == domain])
+            teacher = self.teachers.module_for(domain)
+            out[rows] = forward_logprobs([teacher], batch.select(rows), self.spec, self.stage.training.micro_batch_size)
+        return out
+
+    def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str], errors: int) -> dict[str, float]:
+        lengths = [len(s.response_ids) for s in rollouts]
+        sums = {"reward_sum": float(scores.sum()), "samples": float(len(rollouts)), "reward_errors": float(errors),
+                "response_length_sum": float(sum(lengths)),
+                "finish_stop": float(sum(s.finish_reason == "stop" for s in rollouts))}
+        for domain in self.stage.domains:
+            picked = [float(scores[i]) for i, d in enumerate(domains) if d == domain]
+            sums[f"reward_sum/{domain}"] = sum(picked)
+            sums[f"samples/{domain}"] = float(len(picked))
+        return sums
+
+    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        """All-reduce step sums over data-parallel ranks and turn them into logged means."""
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values, group=self.dp_group)
+        total = dict(zip(keys, values.tolist()))
+        out = {"tokens_processed": total.pop("tokens_processed")}
+        samples = total.get("samples")
+        if samples:
+            out["reward/mean"] = total["reward_sum"] / samples
+            out["reward/errors"] = total["reward_errors"]
+            out["response/length_mean"] = total["response_length_sum"] / samples
+            out["finish/stop_frac"] = total["finish_stop"] / samples
+            out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]
+            for domain in self.stage.domains:
+                n = total.get(f"samples/{domain}", 0.0)
+                if n:
+                    out[f"reward/{domain}"] = total[f"reward_sum/{domain}"] / n
+        if "groups" in total:
+            out["groups/informative_frac"] = total["groups_informative"] / max(total["groups"], 1.0)
+            out["advantage/abs_mean"] = total["advantage_abs_sum"] / max(samples or 1.0, 1.0)
+        return out
+
+    # -- end -----------------------------------------------------------------------------------
+    def _finish(self, logger: StageLogger) -> dict:
+        final = os.path.join(stage_dir(self.cfg.output_dir, self.stage.name), "final")
+        save_final_weights(final, self.policy, {TOKENIZER_FINGERPRINT_FILE: self.tok.fingerprint() + "\n"})
+        scores = self._evaluate()
+        logger.log_eval(scores, self.stage.steps)
+        record = {
+            "status": "complete",
+            "type": self.stage.type,
+            "steps": self.stage.steps,
+            "domains": dict(self.stage.domains),
+            "final_weights": os.path.relpath(final, self.cfg.output_dir),
+            "eval": scores,
+        }
+        if self.stage.teachers:
+            record["teachers"] = dict(self.stage.teachers)
+        if is_main_rank():
+            self.ctx.manifest.record_stage(self.stage.name, record)
+        dist.barrier()
+        return record
+
+    def _evaluate(self) -> dict[str, float]:
+        eval_cfg = self.cfg.eval
+        if not eval_cfg.enabled or not self.ctx.eval_sets:
+            return {}
+        max_new = eval_cfg.max_new_tokens or self.cfg.rollout.max_new_tokens
+        return evaluate(self.policy.module, self.ctx.eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
+                        eval_cfg, max_new, tuple(self.cfg.rollout.stop_strings), seed=self.cfg.seed)

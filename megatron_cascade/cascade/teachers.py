@@ -1,0 +1,70 @@
+"""MOPD teachers: frozen copies of earlier checkpoints, one resident at a time, others offloaded.
+
+Each teacher's weights are read once from its weights folder and kept as CPU tensors; one frozen
+GPTModel (same architecture as the student) takes the weights of whichever domain is being scored.
+A teacher with another vocabulary (tokenizer fingerprint or padded vocab size) is refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.model import build_gpt_model, load_model_weights
+from megatron_cascade.model.checkpoint import read_model_config
+
+TOKENIZER_FINGERPRINT_FILE = "tokenizer_fingerprint.txt"
+
+
+class VocabularyMismatch(ConfigError):
+    """Student and teacher do not share tokenizer and padded vocabulary."""
+
+
+def check_teacher_vocabulary(weights_dir: str, model_cfg: ModelConfig, tokenizer_fingerprint: str, what: str) -> None:
+    """Refuse a teacher whose padded vocab size or tokenizer differs from the student's."""
+    arch = read_model_config(weights_dir).get("architecture", {})
+    if arch.get("padded_vocab_size") != model_cfg.padded_vocab_size:
+        raise VocabularyMismatch(
+            f"{what}: teacher {weights_dir} has padded vocab size {arch.get('padded_vocab_size')}, the student "
+            f"{model_cfg.padded_vocab_size}: MOPD needs teacher and student to share tokenizer and vocabulary")
+    fingerprint_file = os.path.join(weights_dir, TOKENIZER_FINGERPRINT_FILE)
+    if os.path.isfile(fingerprint_file):
+        with open(fingerprint_file) as f:
+            theirs = f.read().strip()
+        if theirs != tokenizer_fingerprint:
+            raise VocabularyMismatch(
+                f"{what}: teacher {weights_dir} was trained with another tokenizer (fingerprint {theirs[:12]}, "
+                f"student {tokenizer_fingerprint[:12]}): MOPD scores the student's tokens with the teacher, "
+                "so both must share tokenizer and vocabulary")
+
+
+class TeacherPool:
+    """Frozen teachers by domain; ``module_for(domain)`` returns the one model holding its weights."""
+
+    def __init__(self, teachers: dict[str, str], model_cfg: ModelConfig, parallel: ParallelConfig,
+                 tokenizer_fingerprint: str) -> None:
+        for domain, path in teachers.items():
+            check_teacher_vocabulary(path, model_cfg, tokenizer_fingerprint, f"teachers.{domain}")
+        self.teachers = dict(teachers)
+        self.model_cfg = model_cfg
+        self.module = build_gpt_model(model_cfg, parallel).eval()
+        for param in self.module.parameters():
+            param.requires_grad_(False)
+        # Read every teacher now (a collective load on all ranks), keep CPU copies: later swaps are
+        # local, so data-parallel ranks whose batches hold different domains never wait on each other.
+        self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
+        for path in sorted(set(self.teachers.values())):
+            load_model_weights(self.module, path, self.model_cfg)
+            self._offloaded[path] = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()
+                                     if not k.endswith("_extra_state")}
+        self._resident: str | None = None
+
+    def module_for(self, domain: str) -> torch.nn.Module:
+        """The frozen model holding ``domain``'s teacher weights (swapped in from the CPU copy)."""
+        path = self.teachers[domain]
+        if self._resident != path:
+            self.module.load_state_dict(self._offloaded[path], strict=False)
+            self._resident = path
+        return self.module
