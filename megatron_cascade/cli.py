@@ -103,10 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
+    from megatron_cascade.cascade.data import DataError
+    from megatron_cascade.model import CheckpointError
+
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"megatron-cascade: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except (DataError, CheckpointError) as exc:
+        print(f"megatron-cascade: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 

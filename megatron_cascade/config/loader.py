@@ -38,7 +38,6 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, path) from None
-    _resolve_paths(cfg, os.path.dirname(os.path.abspath(path)))
     validate_run(cfg, source=path)
     return cfg
 
@@ -57,11 +56,37 @@ def _read_with_includes(path: str, seen: tuple) -> DictConfig:
     includes = node.pop("defaults", [])
     if not isinstance(includes, (list, ListConfig)):
         raise ConfigError(f"{path}: 'defaults' must be a list of YAML files to merge first")
+    _absolutize_paths(node, os.path.dirname(path))
     base = OmegaConf.create({})
     for include in includes:
         child = os.path.join(os.path.dirname(path), str(include))
         base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,)))
     return OmegaConf.merge(base, node)
+
+
+def _absolutize_paths(node: DictConfig, base: str) -> None:
+    """Make the file paths a YAML file names relative to that file's own folder (not the includer's).
+
+    Paths: ``domains.*.train/eval``, ``init_checkpoint``, and teacher values containing a '/'
+    (a bare word is a stage name; write ``./folder`` for a folder next to the file).
+    """
+    def fix(value):
+        if isinstance(value, str) and value and "${" not in value and not os.path.isabs(value):
+            return os.path.normpath(os.path.join(base, value))
+        return value
+
+    for domain in (node.get("domains") or {}).values():
+        if isinstance(domain, DictConfig):
+            for key in ("train", "eval"):
+                if key in domain:
+                    domain[key] = fix(domain[key])
+    if node.get("init_checkpoint"):
+        node["init_checkpoint"] = fix(node["init_checkpoint"])
+    for stage in node.get("stages") or []:
+        teachers = stage.get("teachers") if isinstance(stage, DictConfig) else None
+        for domain, teacher in (teachers or {}).items():
+            if isinstance(teacher, str) and "/" in teacher:
+                teachers[domain] = fix(teacher)
 
 
 def _merge(schema: DictConfig, raw: DictConfig, source: str) -> DictConfig:
@@ -136,19 +161,6 @@ def _field_type(node: Any, name: str) -> Any:
     return None
 
 
-def _resolve_paths(cfg: RunConfig, base: str) -> None:
-    def resolve(path):
-        return path if path is None or os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
-
-    for domain in cfg.domains.values():
-        domain.train, domain.eval = resolve(domain.train), resolve(domain.eval)
-    if cfg.init_checkpoint is not None:
-        cfg.init_checkpoint = resolve(cfg.init_checkpoint)
-    stage_names = {s.name for s in cfg.stages}
-    for stage in cfg.stages:
-        stage.teachers = {d: t if t in stage_names else resolve(t) for d, t in stage.teachers.items()}
-
-
 def validate_run(cfg: RunConfig, source: str = "config") -> None:
     """Cross-field checks the schema cannot express; ``ConfigError`` naming the key."""
     if not cfg.stages:
@@ -190,7 +202,7 @@ def _validate_teachers(stage: StageConfig, earlier: list[str], where: str) -> No
     for domain, teacher in stage.teachers.items():
         if domain not in stage.domains:
             raise ConfigError(f"{where}: teachers.{domain}: the stage does not train on domain {domain!r}")
-        if os.path.sep in teacher or os.path.isdir(teacher):
+        if "/" in teacher:
             if not os.path.isdir(teacher):
                 raise ConfigError(f"{where}: teachers.{domain}: checkpoint folder {teacher} does not exist")
         elif teacher not in earlier:
