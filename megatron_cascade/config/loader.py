@@ -106,9 +106,19 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
     except yaml.YAMLError:
         value = text
     try:
+        _open_stage_section(cfg, key)
         OmegaConf.update(cfg, key, value, merge=True)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, f"command-line override {item!r}") from None
+
+
+def _open_stage_section(cfg: DictConfig, key: str) -> None:
+    """``stages.N.optimizer.lr=...`` on a stage without an optimizer section: start it empty."""
+    parts = key.split(".")
+    if len(parts) >= 4 and parts[0] == "stages" and parts[1].isdigit() and parts[2] in _STAGE_SECTIONS:
+        stage = cfg.stages[int(parts[1])]
+        if stage[parts[2]] is None:
+            stage[parts[2]] = {}
 
 
 def _stage_key_by_name(cfg: DictConfig, key: str) -> str:
