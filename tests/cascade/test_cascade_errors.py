@@ -80,7 +80,7 @@ def test_malformed_rows_are_reported_with_file_and_line_and_skipped(tmp_path, ca
     assert [e.row["prompt"] for e in examples] == ["1+1=", "3+1="]
     text = caplog.text
     for line, reason in [(2, "not valid JSON"), (3, "a row needs a non-empty string 'prompt'"),
-                         (4, "row says domain 'code'"), (5, "must be a JSON object"), (6, "cannot tokenise")]:
+                         (4, "row says domain 'code'"), (5, "a row must be a JSON object"), (6, "cannot tokenise")]:
         assert f"math.jsonl:{line}: skipping bad row: {reason}" in text
     assert "5 bad row(s) skipped, 2 used" in text
 
