@@ -62,6 +62,11 @@ def _check_choice(key: str, value, choices: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
+def params_dtype(model: ModelConfig) -> torch.dtype:
+    """The parameter dtype of ``model.precision``."""
+    return _PRECISIONS[model.precision]
+
+
 def _head_dim(model: ModelConfig) -> int:
     return model.kv_channels or model.hidden_size // model.num_attention_heads
 
@@ -71,7 +76,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     from megatron.core.transformer import TransformerConfig
 
     validate_model_config(model)
-    dtype = _PRECISIONS[model.precision]
+    dtype = params_dtype(model)
     use_cpu = not torch.cuda.is_available()
     moe = model.moe
     kwargs = dict(

@@ -9,6 +9,7 @@ import torch
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.config.training import OptimizerConfig
 from megatron_cascade.model import build_gpt_model
+from megatron_cascade.model.builder import params_dtype
 
 _DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -82,7 +83,7 @@ def _build_optimizer(ddp, model_cfg: ModelConfig, parallel: ParallelConfig, opti
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[model_cfg.precision]
+    dtype = params_dtype(model_cfg)
     config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
