@@ -76,7 +76,6 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
-    log_every_steps: int = 1
 
 
 @dataclass
