@@ -100,8 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Like parse_args, but ``key=value`` overrides may also follow options (``run C --stage s k=v``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     _setup_logging()
     from megatron_cascade.cascade.data import DataError
     from megatron_cascade.model import CheckpointError
