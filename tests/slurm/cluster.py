@@ -42,13 +42,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SLURM_DIR = REPO / "slurm"
 
-# The trainer command the jobs run (MEGATRON_CASCADE_CMD). One parameter: point it at the
-# real CLI (e.g. "megatron-cascade") with CASCADE_TEST_TRAINER_CMD once it honours the contract.
+# The trainer command the fake-trainer tests run (MEGATRON_CASCADE_CMD); CASCADE_TEST_TRAINER_CMD
+# swaps it. test_slurm_real_trainer.py always runs the real CLI (megatron-cascade of this Python).
 FAKE_TRAINER_CMD = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_trainer.py'))}"
 TRAINER_CMD = os.environ.get("CASCADE_TEST_TRAINER_CMD", FAKE_TRAINER_CMD)
 
 # sbatch options turning the 8-GPU H100 defaults of stage.sbatch into a CPU-only 2-rank job.
-CPU_SBATCH_ARGS = "--ntasks-per-node=2 --gpus-per-node=0 --time=5"
+# The header's --signal=B:USR1@600 would fire at once with a limit under 10 minutes: warn 60 s
+# before a 10-minute limit instead (only the time-limit test wants that signal).
+CPU_SBATCH_ARGS = "--ntasks-per-node=2 --gpus-per-node=0 --time=10 --signal=B:USR1@60"
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")

@@ -2,7 +2,7 @@
 """Test-only stand-in for the ``megatron-cascade`` CLI (same contract, no torch).
 
     fake_trainer.py stages CONFIG [key=value ...]       -> "<stage>\\t<complete|partial|pending>" lines
-    fake_trainer.py run CONFIG --stage NAME [key=value ...]
+    fake_trainer.py run CONFIG [key=value ...] --stage NAME   (the real CLI's argument order)
         exit 0  = stage complete
         exit 75 = got SIGUSR1/SIGTERM, checkpointed, please requeue
         other   = failure (message on stderr)
@@ -145,8 +145,9 @@ def cmd_run(cfg: dict, stage: str) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "stages":
         return cmd_stages(load_config(argv[1], argv[2:]))
-    if len(argv) >= 4 and argv[0] == "run" and argv[2] == "--stage":
-        return cmd_run(load_config(argv[1], argv[4:]), argv[3])
+    if len(argv) >= 4 and argv[0] == "run" and "--stage" in argv[2:-1]:
+        i = argv.index("--stage", 2)
+        return cmd_run(load_config(argv[1], argv[2:i] + argv[i + 2:]), argv[i + 1])
     print(__doc__, file=sys.stderr)
     return 2
 
