@@ -2,8 +2,9 @@
 
     python examples/tiny_cascade/make_data.py --out examples/tiny_cascade/data [--seed 0]
 
-writes ``<domain>_train.jsonl`` and ``<domain>_eval.jsonl`` for ``math``, ``instruction_following``
-and ``code``. One JSON object per line::
+writes ``<domain>_sft.jsonl`` (SFT rows), ``<domain>_train.jsonl`` (RL prompts) and
+``<domain>_eval.jsonl`` (held out) for ``math``, ``instruction_following`` and ``code``. One JSON
+object per line::
 
     {"domain": ..., "prompt": <user message>, "response": <reference answer (SFT target)>, <reward fields>}
 
@@ -14,7 +15,9 @@ Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
   followed (e.g. "say cat in caps" -> "CAT": change_case:english_capital + keywords:existence);
 * code: ``"tests"`` -- stdin -> stdout checks of the last ```python block (all must pass).
 
-Eval rows are held-out (prompt-disjoint) items of the same task families. The output is a pure
+The three splits are prompt-disjoint items of the same task families: RL trains on prompts the SFT
+stage never saw (as real pipelines do), so what RL gains carries over to the held-out eval set
+instead of polishing memorised answers. The output is a pure
 function of ``--seed`` (sorted keys, fixed row order), so the committed files can be regenerated
 byte for byte.
 """
@@ -95,8 +98,8 @@ def code_items(rng: random.Random) -> list[dict]:
 BUILDERS = {"math": math_items, "instruction_following": if_items, "code": code_items}
 
 
-def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows) of one domain; eval prompts never occur in train."""
+def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint."""
     rng = random.Random(f"{seed}:{domain}")
     items = [{"domain": domain, **row} for row in BUILDERS[domain](rng)]
     order = list(range(len(items)))
@@ -106,9 +109,13 @@ def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict]]:
     eligible = [i for i in order if domain != "code" or i < len(items) - 3]
     eval_idx = eligible[:n_eval]
     chosen = set(eval_idx)
-    train = [items[i] for i in order if i not in chosen]
+    rest = [i for i in order if i not in chosen]
+    # code: the fixed string families (always outside eval) go to SFT, the rest alternate.
+    fixed = {len(items) - 3, len(items) - 2, len(items) - 1} if domain == "code" else set()
+    sft = [items[i] for k, i in enumerate(rest) if i in fixed or (k % 2 == 0 and i not in fixed)]
+    train = [items[i] for k, i in enumerate(rest) if i not in fixed and k % 2 == 1]
     evals = [items[i] for i in eval_idx]
-    return train, evals
+    return sft, train, evals
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -118,12 +125,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def generate(out: Path, seed: int = 0) -> list[Path]:
-    """Write the six files into ``out``; returns their paths."""
+    """Write the nine files into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for domain in DOMAINS:
-        train, evals = make_domain(domain, seed)
-        for split, rows in (("train", train), ("eval", evals)):
+        sft, train, evals = make_domain(domain, seed)
+        for split, rows in (("sft", sft), ("train", train), ("eval", evals)):
             path = out / f"{domain}_{split}.jsonl"
             write_jsonl(path, rows)
             paths.append(path)

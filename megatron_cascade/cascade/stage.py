@@ -125,10 +125,9 @@ class StageRunner:
             if start is not None:
                 load_model_weights(self.policy.module, start, self.cfg.model)
         self.start_path = start_weights(self.ctx, self.index)
-        need_response = self.stage.type == "sft"
-        self.datasets = {d: load_examples(self.cfg.domains[d].train, d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
-                                          need_response=need_response,
-                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens)
+        sft = self.stage.type == "sft"
+        self.datasets = {d: load_examples(self._data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
+                                          need_response=sft, max_prompt_tokens=self.cfg.data.max_prompt_tokens)
                          for d in self.stage.domains}
         self.mixer = PromptMixer(self.datasets, self.stage.domains, seed=self.cfg.seed + 7919 * self.index)
         self.rewards = build_domain_rewards(self.cfg.domains, self.stage.domains) if self.stage.type != "sft" else {}
@@ -138,6 +137,10 @@ class StageRunner:
                                         self.tok.fingerprint())
         self.reference = self._reference_model()
         return first_step
+
+    def _data_file(self, domain: str) -> str:
+        spec = self.cfg.domains[domain]
+        return (spec.sft or spec.train) if self.stage.type == "sft" else spec.train
 
     def _reference_model(self):
         """Frozen stage-start weights for the KL term (only when loss.kl_coef > 0)."""

@@ -67,7 +67,7 @@ def _read_with_includes(path: str, seen: tuple) -> DictConfig:
 def _absolutize_paths(node: DictConfig, base: str) -> None:
     """Make the file paths a YAML file names relative to that file's own folder (not the includer's).
 
-    Paths: ``domains.*.train/eval``, ``init_checkpoint``, and teacher values containing a '/'
+    Paths: ``domains.*.train/eval/sft``, ``init_checkpoint``, and teacher values containing a '/'
     (a bare word is a stage name; write ``./folder`` for a folder next to the file).
     """
     def fix(value):
@@ -77,7 +77,7 @@ def _absolutize_paths(node: DictConfig, base: str) -> None:
 
     for domain in (node.get("domains") or {}).values():
         if isinstance(domain, DictConfig):
-            for key in ("train", "eval"):
+            for key in ("train", "eval", "sft"):
                 if key in domain:
                     domain[key] = fix(domain[key])
     if node.get("init_checkpoint"):

@@ -44,8 +44,9 @@ class RewardSpec:
 class DomainConfig:
     """One data domain: JSONL files and the reward that scores it."""
 
-    train: Optional[str] = None  # JSONL path, relative to the config file's folder
-    eval: Optional[str] = None
+    train: Optional[str] = None  # JSONL prompts for RL stages (path relative to the config file's folder)
+    eval: Optional[str] = None  # held-out JSONL, scored after every stage
+    sft: Optional[str] = None  # JSONL with reference responses for sft stages; null = train
     reward: RewardSpec = field(default_factory=RewardSpec)
 
 

@@ -11,6 +11,7 @@ from megatron_cascade.rewards import get_reward, score_batch
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cascade"
 DATA = EXAMPLE / "data"
 DOMAINS = ("math", "instruction_following", "code")
+SPLITS = ("sft", "train", "eval")
 REWARD_FIELD = {"math": "answer", "instruction_following": "instructions", "code": "tests"}
 
 
@@ -29,7 +30,7 @@ def _rows(domain, split):
 def test_committed_data_is_what_make_data_generates(tmp_path):
     _make_data().main(["--out", str(tmp_path), "--seed", "0"])
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(f"{d}_{s}.jsonl" for d in DOMAINS for s in ("train", "eval"))
+    assert names == sorted(f"{d}_{s}.jsonl" for d in DOMAINS for s in SPLITS)
     for name in names:
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), \
             f"{name} is stale: rerun python examples/tiny_cascade/make_data.py"
@@ -43,7 +44,7 @@ def test_another_seed_gives_another_split(tmp_path):
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_rows_are_small_and_well_formed(domain):
-    for split in ("train", "eval"):
+    for split in SPLITS:
         rows = _rows(domain, split)
         assert rows
         for row in rows:
@@ -54,16 +55,18 @@ def test_rows_are_small_and_well_formed(domain):
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
-def test_eval_and_train_are_disjoint(domain):
-    train = {r["prompt"] for r in _rows(domain, "train")}
-    evals = [r["prompt"] for r in _rows(domain, "eval")]
-    assert len(set(evals)) == len(evals)
-    assert not train & set(evals)
+def test_sft_rl_and_eval_prompts_are_disjoint(domain):
+    prompts = {split: [r["prompt"] for r in _rows(domain, split)] for split in SPLITS}
+    for split, rows in prompts.items():
+        assert len(set(rows)) == len(rows), f"{split} repeats a prompt"
+    assert not set(prompts["sft"]) & set(prompts["train"])
+    assert not set(prompts["sft"]) & set(prompts["eval"])
+    assert not set(prompts["train"]) & set(prompts["eval"])
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_every_reference_response_scores_one(domain):
-    rows = _rows(domain, "train") + _rows(domain, "eval")
+    rows = [row for split in SPLITS for row in _rows(domain, split)]
     scores, errors = score_batch(get_reward(domain), [r["response"] for r in rows], rows, timeout_s=30)
     assert errors == 0
     bad = [(r["prompt"], r["response"], s) for r, s in zip(rows, scores) if s != 1.0]
