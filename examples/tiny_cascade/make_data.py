@@ -13,6 +13,7 @@ Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
 * math: ``"answer"`` -- "a+b=" -> "c" with a, b in [0, 30) (greedy-scored by math-verify);
 * instruction_following: ``"instructions"`` -- IFEval ids with kwargs; the score is the fraction
   followed (e.g. "say cat in caps" -> "CAT": change_case:english_capital + keywords:existence);
+  12 words x 5 formats, split by (word, format) pair;
 * code: ``"tests"`` -- stdin -> stdout checks of the last ```python block (all must pass).
 
 The three splits are prompt-disjoint items of the same task families: RL trains on prompts the SFT
@@ -30,7 +31,7 @@ import random
 from pathlib import Path
 
 DOMAINS = ("math", "instruction_following", "code")
-EVAL_ROWS = {"math": 48, "instruction_following": 48, "code": 32}
+EVAL_ROWS = {"math": 48, "instruction_following": 20, "code": 32}
 
 WORDS = ("cat", "dog", "sun", "red", "box", "cup", "hat", "pen", "map", "egg", "fox", "owl", "bee",
          "ant", "car", "bus", "key", "toy", "jam", "ice", "sky", "sea", "tea", "pie", "bag", "bed",
@@ -49,9 +50,15 @@ def _kw(word: str) -> dict:
     return {"id": "keywords:existence", "kwargs": {"keywords": [word]}}
 
 
+# Instruction following draws on a few words only: copying an arbitrary word is beyond a tiny model
+# in minutes, but following an instruction it has not seen with that word (a held-out word x format
+# pair) is a choice it can learn, and that is what the RL stage should improve.
+IF_WORDS = WORDS[:12]
+
+
 def if_items(rng: random.Random) -> list[dict]:
     rows = []
-    for w in WORDS:
+    for w in IF_WORDS:
         rows.append({"prompt": f"say {w} in caps", "response": w.upper(),
                      "instructions": [{"id": "change_case:english_capital", "kwargs": {}}, _kw(w)]})
         rows.append({"prompt": f"say {w} and end with ok", "response": f"{w} ok",
