@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtualenv and install the package with its test extras.
-# torch==2.13.0 goes first so that pip takes the CPU build instead of a multi-GB CUDA one.
+# torch==2.13.0 goes first: on these machines pip takes it from the local CPU wheel instead of a
+# multi-GB CUDA build (elsewhere, point pip at PyTorch's CPU index for the same effect).
 # Usage: source scripts/setup_env.sh   (sets VENV and puts it first on PATH)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,13 +10,18 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-stamp="$VENV/.installed-$(md5sum < "$ROOT/setup.py" | cut -c1-12)"
+# Re-install when setup.py or the interpreter changes.
+stamp="$VENV/.installed-$( (cat "$ROOT/setup.py"; "$VENV/bin/python" -V) | md5sum | cut -c1-12)"
+pip_install() {
+    # pip's notes about this machine's optional local indexes are noise; errors still show.
+    "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
 if [ ! -f "$stamp" ]; then
-    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -m pip install -q -e "${ROOT}[test]" 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -c "import megatron.core, torch, megatron_cascade" 2>/dev/null \
-        || { echo "setup_env: installation failed" >&2; exit 1; }
+    pip_install --upgrade pip
+    pip_install torch==2.13.0
+    pip_install -e "${ROOT}[test]"
+    "$VENV/bin/python" -c "import megatron.core, torch, megatron_cascade, pytest, pytest_timeout, transformers" \
+        || { echo "setup_env: installation is incomplete" >&2; exit 1; }
     touch "$stamp"
 fi
 export VENV

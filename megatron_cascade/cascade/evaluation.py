@@ -11,7 +11,8 @@ from megatron_cascade.config.schema import DomainConfig, EvalConfig
 from megatron_cascade.rollout import SamplingParams, generate
 
 
-def _data_parallel():
+def data_parallel() -> tuple:
+    """(rank, size, group) of this process in Megatron's data-parallel group."""
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
@@ -21,7 +22,7 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
              domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, max_new_tokens: int,
              stop_strings: tuple[str, ...], seed: int) -> dict[str, float]:
     """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective."""
-    dp_rank, dp_size, dp_group = _data_parallel()
+    dp_rank, dp_size, dp_group = data_parallel()
     scores = {}
     for domain in sorted(eval_sets):
         examples = eval_sets[domain][: eval_cfg.max_prompts]

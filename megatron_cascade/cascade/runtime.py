@@ -27,7 +27,9 @@ def init_distributed() -> None:
                           MASTER_PORT=str(find_free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        # Small bookkeeping collectives (counts, metrics, flags) use CPU tensors: gloo carries
+        # those, NCCL the CUDA tensors of the model.
+        dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
         from megatron_cascade.testing.cpu_mode import enable_cpu_mode
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_cascade.algorithms import apply_overlong_policy, group_advantages, informative_groups
 from megatron_cascade.cascade.batches import rollout_batch, sft_batch
 from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
-from megatron_cascade.cascade.evaluation import evaluate
+from megatron_cascade.cascade.evaluation import data_parallel, evaluate
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
@@ -49,12 +49,6 @@ class RunContext:
     preemption: PreemptionWatch
     eval_sets: dict[str, list[Example]]
     eval_rewards: dict
-
-
-def _dp():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
 
 def _reseed(seed: int) -> None:
@@ -98,7 +92,7 @@ class StageRunner:
         self.ctx, self.index, self.stage = ctx, index, stage
         self.cfg = ctx.cfg
         self.tok = ctx.tokenizer
-        self.dp_rank, self.dp_size, self.dp_group = _dp()
+        self.dp_rank, self.dp_size, self.dp_group = data_parallel()
         if stage.prompts_per_step % self.dp_size:
             raise ConfigError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} is not divisible "
                               f"by the data-parallel size {self.dp_size}")
@@ -113,18 +107,20 @@ class StageRunner:
     # -- setup ---------------------------------------------------------------------------------
     def _build(self) -> int:
         _reseed(self.cfg.seed + 1000 * self.index)
-        self.policy = build_policy(self.cfg.model, self.cfg.parallel, self.stage.optimizer, self.stage.steps)
+        # The lr schedule counts optimizer steps: ppo_epochs of them per stage step.
+        optimizer_steps = self.stage.steps * self.stage.training.ppo_epochs
+        self.policy = build_policy(self.cfg.model, self.cfg.parallel, self.stage.optimizer, optimizer_steps)
+        self.start_path = start_weights(self.ctx, self.index)
+        if self.start_path is not None:
+            load_model_weights(self.policy.module, self.start_path, self.cfg.model)
+        # The KL reference is the stage's start, taken before a resume overwrites the policy.
+        self.reference = self._reference_model()
         latest = read_latest(self.ckpt_root)
+        first_step = 0
         if latest is not None:
             state = load_training_checkpoint(latest, self.policy)
             log.info("stage %s: resuming from %s (step %d)", self.stage.name, latest, state["step"])
             first_step = int(state["step"])
-        else:
-            first_step = 0
-            start = start_weights(self.ctx, self.index)
-            if start is not None:
-                load_model_weights(self.policy.module, start, self.cfg.model)
-        self.start_path = start_weights(self.ctx, self.index)
         sft = self.stage.type == "sft"
         self.datasets = {d: load_examples(self._data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
                                           need_response=sft, max_prompt_tokens=self.cfg.data.max_prompt_tokens)
@@ -135,7 +131,6 @@ class StageRunner:
         if self.stage.type == "mopd":
             self.teachers = TeacherPool(teacher_paths(self.ctx, self.stage), self.cfg.model, self.cfg.parallel,
                                         self.tok.fingerprint())
-        self.reference = self._reference_model()
         return first_step
 
     def _data_file(self, domain: str) -> str:
@@ -147,10 +142,7 @@ class StageRunner:
         if self.stage.type != "grpo" or self.stage.loss.kl_coef == 0:
             return None
         model = build_gpt_model(self.cfg.model, self.cfg.parallel).eval()
-        if self.start_path is not None:
-            load_model_weights(model, self.start_path, self.cfg.model)
-        else:
-            model.load_state_dict(self.policy.module.state_dict())
+        model.load_state_dict(self.policy.module.state_dict())
         for param in model.parameters():
             param.requires_grad_(False)
         return model

@@ -59,6 +59,10 @@ class TrainBatch:
         """The sub-batch of ``rows`` (a slice or an index tensor)."""
         return replace(self, **{f.name: _take(getattr(self, f.name), rows) for f in fields(self)})
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        """The batch with every tensor on ``device`` (rollouts and data are built on the CPU)."""
+        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+
     def padded_to_multiple(self, multiple: int) -> "TrainBatch":
         """Append fully masked rows so that the batch size is a multiple of ``multiple``."""
         extra = -self.size % multiple
@@ -76,6 +80,10 @@ class TrainBatch:
 
 def _take(value: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
     return None if value is None else value[rows]
+
+
+def _move(value: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if value is None else value.to(device, non_blocking=True)
 
 
 def _pad_rows(value: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:

@@ -82,6 +82,8 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
 
 
 def _prune(root: str, keep_last: int) -> None:
+    for stale in (d for d in os.listdir(root) if d.endswith(".partial")):
+        shutil.rmtree(os.path.join(root, stale), ignore_errors=True)  # left by a crash mid-save
     steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".partial"))
     latest = read_latest(root)
     for old in steps[:-keep_last] if keep_last > 0 else []:
@@ -89,15 +91,27 @@ def _prune(root: str, keep_last: int) -> None:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "state.json"))
+
+
 def read_latest(root: str) -> Optional[str]:
-    """The folder of the last complete checkpoint under ``root``, or None."""
+    """The folder of the last complete checkpoint under ``root``, or None.
+
+    Follows the ``latest`` pointer; if what it names is gone or incomplete (a folder removed by
+    hand, a file system that lost the rename), falls back to the newest complete ``step_*``.
+    """
     pointer = os.path.join(root, LATEST)
-    if not os.path.isfile(pointer):
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if _complete(path):
+            return path
+    if not os.path.isdir(root):
         return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(root, name)
-    return path if os.path.isfile(os.path.join(path, "state.json")) else None
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".partial"))
+    complete = [os.path.join(root, d) for d in steps if _complete(os.path.join(root, d))]
+    return complete[-1] if complete else None
 
 
 def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:

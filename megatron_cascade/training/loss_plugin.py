@@ -100,6 +100,10 @@ def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Callable:
     """A Megatron ``forward_step_func`` over an iterator of ``TrainBatch`` micro-batches.
 
@@ -108,7 +112,7 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
     """
 
     def forward_step(data_iterator, model):
-        micro: TrainBatch = next(data_iterator)
+        micro: TrainBatch = next(data_iterator).to(_device_of(model))
         logits = model(micro.input_ids, position_ids(micro.input_ids), None)
 
         def loss_func(output: torch.Tensor):
@@ -129,12 +133,12 @@ def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
     """A forward-only ``forward_step_func`` that appends each micro-batch's [b, S] log-probs to ``sink``."""
 
     def forward_step(data_iterator, model):
-        micro: TrainBatch = next(data_iterator)
+        micro: TrainBatch = next(data_iterator).to(_device_of(model))
         logits = model(micro.input_ids, position_ids(micro.input_ids), None)
 
         def loss_func(output: torch.Tensor):
             logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
-            sink.append(logprobs.detach())
+            sink.append(logprobs.detach().cpu())
             return torch.zeros((), device=output.device), {}
 
         return logits, loss_func

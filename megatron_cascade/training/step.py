@@ -68,14 +68,12 @@ def _reduce_metric_sums(keys: tuple, per_micro: list[dict]) -> dict[str, float]:
 
 
 def _grads_are_finite(policy: Policy) -> bool:
-    local_bad = torch.zeros((), dtype=torch.float32)
-    for param in policy.chunks[0].parameters():
-        grad = getattr(param, "main_grad", None)
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            local_bad.fill_(1.0)
-            break
-    dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)
-    return not bool(local_bad)
+    grads = [p.main_grad for p in policy.chunks[0].parameters() if getattr(p, "main_grad", None) is not None]
+    # One device-side reduction, one host sync: the sum of norms is finite iff every entry is.
+    total = torch.stack(torch._foreach_norm(grads)).sum().float().cpu() if grads else torch.zeros(())
+    bad = torch.tensor(0.0 if torch.isfinite(total) else 1.0)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
 
 
 def _zero_grads(policy: Policy) -> None:
@@ -98,21 +96,26 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
         chunk.train()
     per_micro = _run_schedule(policy.chunks, make_forward_step(spec, normalizer, _tp_group()), micros, False)
     sums = _reduce_metric_sums(("loss", *_METRIC_KEYS[spec.kind]), per_micro)
-    return {k: float(v) for k, v in finalize_metrics(sums).items()}
+    metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
+    metrics["normalizer"] = float(normalizer)
+    return metrics
 
 
-def apply_gradients(policy: Policy, training: TrainingConfig) -> dict[str, float]:
+def apply_gradients(policy: Policy, training: TrainingConfig, *, empty: bool = False) -> dict[str, float]:
     """Clip and apply the gradient in the grad buffers, then advance the lr schedule.
 
-    A gradient holding NaN/inf on any rank skips the step on all ranks (and is logged) when
-    ``training.skip_nonfinite_steps``. Returns ``grad_norm``, ``lr`` and ``skipped`` (0 or 1).
+    A step is skipped on all ranks (weights, optimizer state and schedule untouched; logged) when
+    the global batch had no valid token (``empty``: Adam momentum and weight decay would still move
+    the weights), or when a gradient holds NaN/inf on any rank and ``training.skip_nonfinite_steps``.
+    Returns ``grad_norm``, ``lr`` and ``skipped`` (0 or 1).
     """
-    if training.skip_nonfinite_steps and not _grads_are_finite(policy):
-        log.warning("skipping optimizer step: non-finite gradients")
+    if empty or (training.skip_nonfinite_steps and not _grads_are_finite(policy)):
+        log.warning("skipping optimizer step: %s", "no valid token in the batch" if empty else "non-finite gradients")
         _zero_grads(policy)
-        return {"grad_norm": float("nan"), "skipped": 1.0, "lr": _current_lr(policy)}
+        return {"grad_norm": float("nan") if not empty else 0.0, "skipped": 1.0, "lr": _current_lr(policy)}
     ok, grad_norm, _ = policy.optimizer.step()
-    policy.scheduler.step(increment=1)
+    if ok:
+        policy.scheduler.step(increment=1)
     return {"grad_norm": float(grad_norm or 0.0), "skipped": 0.0 if ok else 1.0, "lr": _current_lr(policy)}
 
 
@@ -124,7 +127,7 @@ def train_step(policy: Policy, batch: TrainBatch, spec: LossSpec, training: Trai
     and ``skipped`` (1.0 when the step was skipped for non-finite gradients).
     """
     metrics = compute_gradients(policy, batch, spec, training)
-    metrics.update(apply_gradients(policy, training))
+    metrics.update(apply_gradients(policy, training, empty=metrics.pop("normalizer") == 0))
     return metrics
 
 
