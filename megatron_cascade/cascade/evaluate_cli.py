@@ -27,9 +27,8 @@ def evaluate_weights(cfg: RunConfig, weights: Optional[str]) -> Optional[dict[st
             weights = ctx.manifest.final_weights(done[-1])
         model = build_gpt_model(cfg.model, cfg.parallel)
         load_model_weights(model, weights, cfg.model)
-        max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        scores = evaluate(model, ctx.eval_sets, ctx.eval_rewards, cfg.domains, ctx.tokenizer, cfg.eval, max_new,
-                          tuple(cfg.rollout.stop_strings), seed=cfg.seed)
+        scores = evaluate(model, ctx.eval_sets, ctx.eval_rewards, cfg.domains, ctx.tokenizer, cfg.eval, cfg.rollout,
+                          seed=cfg.seed)
         return scores if is_main_rank() else None
     finally:
         shutdown_distributed()

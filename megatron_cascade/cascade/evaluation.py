@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.scoring import score_responses
-from megatron_cascade.config.schema import DomainConfig, EvalConfig
+from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
 from megatron_cascade.rollout import SamplingParams, generate
 
 
@@ -19,10 +19,16 @@ def data_parallel() -> tuple:
 
 
 def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
-             domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, max_new_tokens: int,
-             stop_strings: tuple[str, ...], seed: int) -> dict[str, float]:
-    """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective."""
+             domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, rollout_cfg: RolloutConfig,
+             seed: int) -> dict[str, float]:
+    """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective.
+
+    Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``) and
+    stop at the run's ``rollout.stop_strings``.
+    """
     dp_rank, dp_size, dp_group = data_parallel()
+    max_new_tokens = eval_cfg.max_new_tokens if eval_cfg.max_new_tokens is not None else rollout_cfg.max_new_tokens
+    stop_strings = tuple(rollout_cfg.stop_strings)
     scores = {}
     for domain in sorted(eval_sets):
         examples = eval_sets[domain][: eval_cfg.max_prompts]

@@ -311,6 +311,5 @@ class StageRunner:
         eval_cfg = self.cfg.eval
         if not eval_cfg.enabled or not self.ctx.eval_sets:
             return {}
-        max_new = eval_cfg.max_new_tokens or self.cfg.rollout.max_new_tokens
         return evaluate(self.policy.module, self.ctx.eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
-                        eval_cfg, max_new, tuple(self.cfg.rollout.stop_strings), seed=self.cfg.seed)
+                        eval_cfg, self.cfg.rollout, seed=self.cfg.seed)

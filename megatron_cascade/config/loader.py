@@ -198,7 +198,34 @@ def validate_run(cfg: RunConfig, source: str = "config") -> None:
                 raise ConfigError(f"{where}: domain {domain!r} has no 'train' file")
         _validate_teachers(stage, seen, where)
         seen.append(stage.name)
-        resolve_stage(cfg, stage)  # type-checks the stage's override sections
+        _validate_sections(cfg, resolve_stage(cfg, stage), where)
+
+
+_CHOICES = {
+    ("loss", "importance_correction"): ("icepop", "truncate", "none"),
+    ("loss", "mopd_normalization"): ("sequence", "token"),
+    ("rollout", "overlong_policy"): ("zero", "mask"),
+    ("rollout", "advantage_baseline"): ("mean", "leave_one_out"),
+}
+
+
+def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None:
+    """Value checks of a stage's merged sections, at load time rather than hours into a run."""
+    from megatron_cascade.training.policy import validate_optimizer_config
+
+    try:
+        validate_optimizer_config(stage.optimizer)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(stage, section), key)
+        if value not in choices:
+            raise ConfigError(f"{where}: {section}.{key}={value!r} is not one of {list(choices)}")
+    if stage.rollout.max_new_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(f"{where}: rollout.max_new_tokens={stage.rollout.max_new_tokens} leaves no room for the "
+                          f"prompt in model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if stage.training.micro_batch_size < 1 or stage.training.ppo_epochs < 1:
+        raise ConfigError(f"{where}: training.micro_batch_size and training.ppo_epochs must be >= 1")
 
 
 def _validate_teachers(stage: StageConfig, earlier: list[str], where: str) -> None:

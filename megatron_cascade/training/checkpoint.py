@@ -5,6 +5,8 @@ any layout can load it), ``optim/rank_XXXXX.pt`` (this rank's optimizer, lr sche
 resume needs the same parallel layout) and ``state.json``. It is written as ``step_00000N.partial/``
 and renamed when every rank has finished; then the ``latest`` pointer is replaced atomically. A crash
 at any moment leaves either the previous ``latest`` or the new one, never a half-written one.
+With the distributed optimizer (GPU), its sharded parameter state (Adam moments, fp32 master
+weights) goes to ``optim/distributed_optimizer.pt`` through Megatron's ``save_parameter_state``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_cascade.model import load_model_weights, save_model_weights
 from megatron_cascade.training.policy import Policy
 
 LATEST = "latest"
+DIST_OPTIMIZER_STATE = "distributed_optimizer.pt"
 
 
 def _rank() -> int:
@@ -69,6 +72,9 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
     save_model_weights(policy.module, os.path.join(partial, "weights"), policy.model_config)
     torch.save({"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict(),
                 "rng": _rng_state()}, os.path.join(partial, "optim", f"rank_{_rank():05d}.pt"))
+    if policy.parallel.use_distributed_optimizer:
+        # The distributed optimizer keeps Adam moments and fp32 master weights out of state_dict().
+        policy.optimizer.save_parameter_state(os.path.join(partial, "optim", DIST_OPTIMIZER_STATE))
     _barrier()
     if _rank() == 0:
         with open(os.path.join(partial, "state.json"), "w") as f:
@@ -123,6 +129,8 @@ def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
                            "checkpoint was written with; its weights/ load at any layout")
     saved = torch.load(optim_file, weights_only=False)
     policy.optimizer.load_state_dict(saved["optimizer"])
+    if policy.parallel.use_distributed_optimizer:
+        policy.optimizer.load_parameter_state(os.path.join(path, "optim", DIST_OPTIMIZER_STATE))
     policy.scheduler.load_state_dict(saved["scheduler"])
     _set_rng_state(saved["rng"])
     with open(os.path.join(path, "state.json")) as f:
