@@ -33,7 +33,7 @@ def _setup_logging() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
     if args.dry_run:
         from megatron_cascade.cascade.plan import describe_plan
 

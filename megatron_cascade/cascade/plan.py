@@ -56,7 +56,7 @@ def memory_per_gpu(cfg: RunConfig, world_size: int) -> dict[str, float]:
     bf16/fp16: 2-byte weights, fp32 grads and fp32 master + Adam moments (12 B/param); fp32: 4 + 4 + 8.
     The distributed optimizer shards the optimizer state over (expert-)data-parallel ranks.
     """
-    layout = resolve_layout(cfg.model, cfg.parallel, world_size)
+    layout = resolve_layout(cfg.model, cfg.parallel, world_size, check_this_machine=False)
     counts = count_parameters(cfg.model)
     # Embedding and output layer sit on the first and last pipeline stages: with PP > 1 the most
     # loaded stage holds one of them (untied) or the single shared one.
@@ -77,7 +77,7 @@ def memory_per_gpu(cfg: RunConfig, world_size: int) -> dict[str, float]:
 def describe_plan(cfg: RunConfig) -> str:
     """The dry-run text: layout, parameters, memory per GPU, and one line per stage."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    layout = resolve_layout(cfg.model, cfg.parallel, world)
+    layout = resolve_layout(cfg.model, cfg.parallel, world, check_this_machine=False)
     counts = count_parameters(cfg.model)
     mem = memory_per_gpu(cfg, world)
     lines = [

@@ -23,10 +23,11 @@ _STAGE_SECTIONS = {"optimizer": OptimizerConfig, "loss": LossConfig, "training":
                    "rollout": RolloutConfig}
 
 
-def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool = True) -> RunConfig:
     """Read ``path`` (and its ``defaults`` includes), apply ``key=value`` overrides, validate.
 
-    Relative data paths in the file are resolved against the file's folder.
+    Relative data paths in the file are resolved against the file's folder. ``check_paths=False``
+    (dry runs) does not require checkpoint folders named in the config to exist on this machine.
     Raises ``ConfigError`` with the file, key and a hint.
     """
     raw = _read_with_includes(os.path.abspath(path), seen=())
@@ -38,7 +39,7 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, path) from None
-    validate_run(cfg, source=path)
+    validate_run(cfg, source=path, check_paths=check_paths)
     return cfg
 
 
@@ -171,7 +172,7 @@ def _field_type(node: Any, name: str) -> Any:
     return None
 
 
-def validate_run(cfg: RunConfig, source: str = "config") -> None:
+def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = True) -> None:
     """Cross-field checks the schema cannot express; ``ConfigError`` naming the key."""
     if not cfg.stages:
         raise ConfigError(f"{source}: 'stages' is empty: a run needs at least one stage")
@@ -196,7 +197,7 @@ def validate_run(cfg: RunConfig, source: str = "config") -> None:
                 raise ConfigError(f"{where}: domains.{domain} weight must be > 0, got {weight}")
             if cfg.domains[domain].train is None:
                 raise ConfigError(f"{where}: domain {domain!r} has no 'train' file")
-        _validate_teachers(stage, seen, where)
+        _validate_teachers(stage, seen, where, check_paths)
         seen.append(stage.name)
         _validate_sections(cfg, resolve_stage(cfg, stage), where)
 
@@ -228,7 +229,7 @@ def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None
         raise ConfigError(f"{where}: training.micro_batch_size and training.ppo_epochs must be >= 1")
 
 
-def _validate_teachers(stage: StageConfig, earlier: list[str], where: str) -> None:
+def _validate_teachers(stage: StageConfig, earlier: list[str], where: str, check_paths: bool) -> None:
     if stage.type != "mopd":
         if stage.teachers:
             raise ConfigError(f"{where}: 'teachers' is only used by mopd stages (this one is {stage.type})")
@@ -240,7 +241,7 @@ def _validate_teachers(stage: StageConfig, earlier: list[str], where: str) -> No
         if domain not in stage.domains:
             raise ConfigError(f"{where}: teachers.{domain}: the stage does not train on domain {domain!r}")
         if "/" in teacher:
-            if not os.path.isdir(teacher):
+            if check_paths and not os.path.isdir(teacher):
                 raise ConfigError(f"{where}: teachers.{domain}: checkpoint folder {teacher} does not exist")
         elif teacher not in earlier:
             raise ConfigError(f"{where}: teachers.{domain}={teacher!r} is neither an earlier stage "

@@ -9,8 +9,11 @@ silent partial loads).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
 from dataclasses import asdict
+from multiprocessing.managers import SyncManager
 from typing import Any
 
 import torch
@@ -73,10 +76,35 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return out
 
 
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _signal_safe_writer_queue() -> None:
+    """Start the checkpoint writer's result queue in a Manager that ignores stop signals.
+
+    Megatron's torch_dist writer lazily starts a multiprocessing Manager; Slurm signals every
+    process of a job step, and a Manager with default handlers dies on the preemption USR1/TERM
+    in the middle of the very save that signal asked for. Ours ignores them (the trainer decides).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_ignore_stop_signals)
+        filesystem_async._results_queue = manager.Queue()
+        _MANAGERS.append(manager)  # keep it alive as long as the queue is used
+
+
+_MANAGERS: list = []
+
+
 def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: ModelConfig) -> None:
     """Save ``model`` (this rank's shard) into ``ckpt_dir``; collective over all ranks."""
     from megatron.core import dist_checkpointing
 
+    _signal_safe_writer_queue()
     os.makedirs(ckpt_dir, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     if _rank() == 0:

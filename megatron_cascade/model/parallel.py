@@ -34,9 +34,12 @@ class Layout:
     expert_dp: int
 
 
-def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> Layout:
+def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int, *,
+                   check_this_machine: bool = True) -> Layout:
     """Check ``parallel`` against ``model`` and ``world_size``; raise ``ConfigError`` naming the key.
 
+    ``check_this_machine=False`` skips the checks of what this machine can run (Transformer
+    Engine, CUDA): a dry run plans for a cluster from a laptop.
     Returns the resolved layout (data-parallel size is what the other sizes leave).
     """
     tp = parallel.tensor_model_parallel_size
@@ -85,10 +88,10 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         )
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
-    if (parallel.sequence_parallel or cp > 1) and not transformer_engine_available():
+    if check_this_machine and (parallel.sequence_parallel or cp > 1) and not transformer_engine_available():
         what = "parallel.sequence_parallel" if parallel.sequence_parallel else "parallel.context_parallel_size > 1"
         raise ConfigError(f"{what} needs Transformer Engine on a CUDA device (not available here)")
-    if parallel.use_distributed_optimizer and not torch.cuda.is_available():
+    if check_this_machine and parallel.use_distributed_optimizer and not torch.cuda.is_available():
         raise ConfigError(
             "parallel.use_distributed_optimizer=true needs CUDA (Megatron's distributed optimizer only "
             "wraps CUDA parameters); set it to false for CPU runs"
