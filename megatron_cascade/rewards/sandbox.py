@@ -45,6 +45,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,7 @@ def detect_backend(python: str | None = None) -> str:
     Each candidate is tried with a real trivial program. The result is logged at INFO,
     or at WARNING when only the ``rlimits`` fallback works.
     """
-    return _get_backend(python or sys.executable).name
+    return _get_backend(python or program_python()).name
 
 
 def _get_backend(python: str) -> _Backend:
@@ -295,17 +296,49 @@ class _SlotPool:
 _SLOTS = _SlotPool()
 
 
+def _runnable_by_anyone(path: str) -> bool:
+    """Whether an unprivileged uid can exec ``path``: every folder on the way o+x, the file o+rx."""
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
+        return False
+    folders = []
+    head = os.path.dirname(real)
+    while head and head != os.path.dirname(head):
+        folders.append(head)
+        head = os.path.dirname(head)
+    if any(not os.stat(d).st_mode & stat.S_IXOTH for d in folders):
+        return False
+    mode = os.stat(real).st_mode
+    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
+
+
+def program_python() -> str:
+    """The interpreter for sandboxed programs.
+
+    As root the programs run under an unprivileged uid, which cannot exec an interpreter behind a
+    private folder (e.g. a pyenv build under /root, which a virtualenv links to): then the
+    system's python3 is used (programs need only the standard library).
+    """
+    if os.geteuid() != 0 or _runnable_by_anyone(sys.executable):
+        return sys.executable
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""):
+        if candidate and _runnable_by_anyone(candidate):
+            return candidate
+    raise RuntimeError(f"no Python interpreter that an unprivileged user can run (checked {sys.executable} and "
+                       "python3 on PATH): install the system python3 package for the code sandbox")
+
+
 @dataclass
 class CodeSandbox:
     """Runs Python programs in isolation; see the module docstring for the layers.
 
     Args:
-        python: interpreter used for the programs (default: the current one).
+        python: interpreter used for the programs (default: ``program_python()``).
         uid_base: first uid used for programs when running as root (slot i -> base + i).
         max_workers: pool size of :meth:`run_many` (default ``os.cpu_count()``).
     """
 
-    python: str = field(default_factory=lambda: sys.executable)
+    python: str = field(default_factory=program_python)
     uid_base: int = 61000
     max_workers: int | None = None
     _backend: _Backend | None = None
