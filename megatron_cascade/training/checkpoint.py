@@ -18,22 +18,13 @@ import shutil
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_cascade.model import load_model_weights, save_model_weights
+from megatron_cascade.model.checkpoint import _barrier, _rank
 from megatron_cascade.training.policy import Policy
 
 LATEST = "latest"
 DIST_OPTIMIZER_STATE = "distributed_optimizer.pt"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def write_atomically(path: str, text: str) -> None:
