@@ -22,7 +22,6 @@ On a machine with a GPU do not call it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from typing import Any
 
@@ -170,14 +169,3 @@ def enable_cpu_mode() -> None:
 def cpu_mode_enabled() -> bool:
     """Whether ``enable_cpu_mode()`` has run in this process."""
     return _ENABLED
-
-
-def requires_cpu_mode(fn):
-    """Decorator for worker functions: enables CPU mode before running ``fn``."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        enable_cpu_mode()
-        return fn(*args, **kwargs)
-
-    return wrapper
