@@ -65,6 +65,10 @@ class ModelConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # Activation recompute in training: none | selective (attention core) | full (whole layers, in
+    # uniform chunks of recompute_num_layers). Trades compute for activation memory (the dry-run plan counts it).
+    recompute: str = "none"
+    recompute_num_layers: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
 

@@ -10,6 +10,7 @@ from megatron_cascade.model.parallel import transformer_engine_available
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP8_FORMATS = (None, "e4m3", "hybrid")
 _FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def validate_model_config(model: ModelConfig) -> None:
@@ -32,6 +33,9 @@ def validate_model_config(model: ModelConfig) -> None:
     _check_choice("model.normalization", model.normalization, ("RMSNorm", "LayerNorm"))
     _check_choice("model.activation", model.activation, ("swiglu", "gelu"))
     _check_choice("model.precision", model.precision, tuple(_PRECISIONS))
+    _check_choice("model.recompute", model.recompute, RECOMPUTE_CHOICES)
+    if model.recompute_num_layers < 1:
+        raise ConfigError(f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1")
     moe = model.moe
     if moe.num_experts is not None:
         if moe.num_experts < 1 or not 1 <= moe.router_topk <= moe.num_experts:
@@ -115,7 +119,15 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         masked_softmax_fusion=not use_cpu,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Our losses divide by the global valid-token count themselves (training/loss_plugin.py). The
+        # MoE router reads this flag when it is *built* to scale its aux loss, so it must be set here,
+        # not on the config after the model exists.
+        calculate_per_token_loss=True,
     )
+    if model.recompute != "none":
+        kwargs.update(recompute_granularity=model.recompute)
+        if model.recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
     if moe.num_experts is not None:
         kwargs.update(
             num_moe_experts=moe.num_experts,

@@ -88,14 +88,9 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         )
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
-    if check_this_machine and (parallel.sequence_parallel or cp > 1) and not transformer_engine_available():
-        what = "parallel.sequence_parallel" if parallel.sequence_parallel else "parallel.context_parallel_size > 1"
-        raise ConfigError(f"{what} needs Transformer Engine on a CUDA device (not available here)")
-    if check_this_machine and parallel.use_distributed_optimizer and not torch.cuda.is_available():
-        raise ConfigError(
-            "parallel.use_distributed_optimizer=true needs CUDA (Megatron's distributed optimizer only "
-            "wraps CUDA parameters); set it to false for CPU runs"
-        )
+    if check_this_machine and cp > 1 and not transformer_engine_available():
+        raise ConfigError("parallel.context_parallel_size > 1 needs Transformer Engine on a CUDA device "
+                          "(not available here)")
     return Layout(world_size, tp, pp, cp, ep, etp, dp, world_size // expert_model_parallel)
 
 
