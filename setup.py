@@ -22,7 +22,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
-        "gpu": ["transformer-engine[pytorch]>=2.0", "apex"],
+        # megatron-core 0.16.1's own supported range (its "dev" extra). NVIDIA apex is not on PyPI
+        # (the PyPI "apex" is an unrelated package): build it from github.com/NVIDIA/apex if wanted.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     },
     entry_points={"console_scripts": ["megatron-cascade=megatron_cascade.cli:main"]},
 )

@@ -36,7 +36,8 @@ def build_context(cfg: RunConfig) -> RunContext:
     eval_sets = {d: load_examples(cfg.domains[d].eval, d, tokenizer, on_bad_row=cfg.data.on_bad_row,
                                   max_prompt_tokens=cfg.data.max_prompt_tokens) for d in eval_domains}
     rewards = build_domain_rewards(cfg.domains, eval_domains)
-    return RunContext(cfg, tokenizer, Manifest(cfg.output_dir), PreemptionWatch(), eval_sets, rewards)
+    return RunContext(cfg, tokenizer, Manifest(cfg.output_dir),
+                      PreemptionWatch(margin_s=cfg.checkpoint.time_limit_margin_s), eval_sets, rewards)
 
 
 def _write_run_files(cfg: RunConfig) -> None:
@@ -48,10 +49,10 @@ def _write_run_files(cfg: RunConfig) -> None:
 def run_cascade(cfg: RunConfig, only_stage: str | None = None) -> int:
     """Run every incomplete stage (or only ``only_stage``); returns the process exit code
     (0 done, ``EXIT_REQUEUE`` after checkpointing on a preemption signal)."""
-    init_distributed()
+    init_distributed(cfg.distributed.timeout_minutes)
     try:
         layout = resolve_layout(cfg.model, cfg.parallel, dist.get_world_size())
-        initialize_model_parallel(cfg.parallel, cfg.seed)
+        initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes)
         if is_main_rank():
             _write_run_files(cfg)
             log.info("layout: %s", layout)
@@ -68,6 +69,7 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None) -> int:
             if ctx.manifest.is_complete(stage.name):
                 log.info("stage %s is complete; skipping", stage.name)
             elif only_stage is None or only_stage == stage.name:
+                ctx.preemption.start_stage()
                 StageRunner(ctx, index, stage).run(offset)
                 ctx.manifest = Manifest(cfg.output_dir)  # re-read: rank 0 wrote it
             offset += stage.steps

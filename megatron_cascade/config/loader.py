@@ -176,6 +176,11 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
     """Cross-field checks the schema cannot express; ``ConfigError`` naming the key."""
     if not cfg.stages:
         raise ConfigError(f"{source}: 'stages' is empty: a run needs at least one stage")
+    if cfg.distributed.timeout_minutes <= 0:
+        raise ConfigError(f"{source}: distributed.timeout_minutes={cfg.distributed.timeout_minutes} must be > 0")
+    if cfg.checkpoint.time_limit_margin_s < 0:
+        raise ConfigError(f"{source}: checkpoint.time_limit_margin_s={cfg.checkpoint.time_limit_margin_s} "
+                          "must be >= 0")
     seen: list[str] = []
     for index, stage in enumerate(cfg.stages):
         where = f"{source}: stages[{index}] ({stage.name})"

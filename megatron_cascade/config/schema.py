@@ -71,6 +71,20 @@ class EvalConfig:
 class CheckpointConfig:
     every_steps: int = 10  # 0 = only at the end of a stage (and on a preemption signal)
     keep_last: int = 2
+    # Under Slurm, seconds kept free before the job's end time for the final checkpoint and exit: a
+    # step that (at the longest recent step time) would end inside this margin is not started; the run
+    # checkpoints and exits 75 (requeue) instead. Size it to a checkpoint write plus shutdown.
+    time_limit_margin_s: float = 600.0
+
+
+@dataclass
+class DistributedConfig:
+    """Process-group settings of a real (multi-process) run."""
+
+    # Collective timeout of the process group and of every Megatron group: a rank that waits longer
+    # than this in one collective fails the job. RL ranks wait on others through whole generations
+    # and reward scoring (long responses, remote judges), far past torch's 10/30-minute defaults.
+    timeout_minutes: float = 120.0
 
 
 @dataclass
@@ -122,6 +136,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     domains: Dict[str, DomainConfig] = field(default_factory=dict)

@@ -100,11 +100,14 @@ def _check_divides(size_key: str, size: int, target_key: str, target: int, hint:
         raise ConfigError(f"{size_key}={size} does not divide {target_key}={target}{extra}")
 
 
-def initialize_model_parallel(parallel: ParallelConfig, seed: int) -> None:
+def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_minutes: float | None = None) -> None:
     """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNGs.
 
     ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU).
+    ``timeout_minutes``: collective timeout of every group Megatron creates
+    (``distributed.timeout_minutes``); None = the schema's default.
     """
+    from megatron_cascade.config.schema import DistributedConfig
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -114,6 +117,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int) -> None:
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
