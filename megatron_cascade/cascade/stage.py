@@ -26,9 +26,10 @@ from megatron_cascade.cascade.scoring import build_domain_rewards, score_respons
 from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, TeacherPool
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
-from megatron_cascade.model import build_gpt_model, load_model_weights
+from megatron_cascade.model import build_gpt_model
 from megatron_cascade.rollout import SamplingParams, generate
 from megatron_cascade.training import LossSpec, TrainBatch, build_policy, forward_logprobs, optimize_on_batch
+from megatron_cascade.training.policy import finish_param_sync, in_model_precision, load_policy_weights
 from megatron_cascade.training.checkpoint import (
     load_training_checkpoint,
     read_latest,
@@ -112,7 +113,7 @@ class StageRunner:
         self.policy = build_policy(self.cfg.model, self.cfg.parallel, self.stage.optimizer, optimizer_steps)
         self.start_path = start_weights(self.ctx, self.index)
         if self.start_path is not None:
-            load_model_weights(self.policy.module, self.start_path, self.cfg.model)
+            load_policy_weights(self.policy, self.start_path)  # fp32 masters too, not only the model
         # The KL reference is the stage's start, taken before a resume overwrites the policy.
         self.reference = self._reference_model()
         latest = read_latest(self.ckpt_root)
@@ -141,7 +142,7 @@ class StageRunner:
         """Frozen stage-start weights for the KL term (only when loss.kl_coef > 0)."""
         if self.stage.type != "grpo" or self.stage.loss.kl_coef == 0:
             return None
-        model = build_gpt_model(self.cfg.model, self.cfg.parallel).eval()
+        model = in_model_precision(build_gpt_model(self.cfg.model, self.cfg.parallel), self.cfg.model).eval()
         model.load_state_dict(self.policy.module.state_dict())
         for param in model.parameters():
             param.requires_grad_(False)
@@ -205,6 +206,7 @@ class StageRunner:
     def _rollout_step(self, step: int, examples: list[Example]):
         G = self.stage.samples_per_prompt
         t0 = time.perf_counter()
+        finish_param_sync(self.policy)  # generation reads the weights of the last step
         rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
                             tokenizer=self.tok)
         gen_s = time.perf_counter() - t0
@@ -311,5 +313,6 @@ class StageRunner:
         eval_cfg = self.cfg.eval
         if not eval_cfg.enabled or not self.ctx.eval_sets:
             return {}
+        finish_param_sync(self.policy)
         return evaluate(self.policy.module, self.ctx.eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
                         eval_cfg, self.cfg.rollout, seed=self.cfg.seed)

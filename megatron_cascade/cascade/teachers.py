@@ -14,6 +14,7 @@ import torch
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.model import build_gpt_model, load_model_weights
 from megatron_cascade.model.checkpoint import read_model_config
+from megatron_cascade.training.policy import in_model_precision, unwrap
 
 TOKENIZER_FINGERPRINT_FILE = "tokenizer_fingerprint.txt"
 
@@ -49,15 +50,18 @@ class TeacherPool:
             check_teacher_vocabulary(path, model_cfg, tokenizer_fingerprint, f"teachers.{domain}")
         self.teachers = dict(teachers)
         self.model_cfg = model_cfg
-        self.module = build_gpt_model(model_cfg, parallel).eval()
+        # At the policy's precision (bf16: inside Float16Module), so a teacher holding the student's
+        # weights computes exactly the student's log-probs.
+        self.module = in_model_precision(build_gpt_model(model_cfg, parallel), model_cfg).eval()
+        gpt = unwrap(self.module)
         for param in self.module.parameters():
             param.requires_grad_(False)
         # Read every teacher now (a collective load on all ranks), keep CPU copies: later swaps are
         # local, so data-parallel ranks whose batches hold different domains never wait on each other.
         self._offloaded: dict[str, dict[str, torch.Tensor]] = {}
         for path in sorted(set(self.teachers.values())):
-            load_model_weights(self.module, path, self.model_cfg)
-            self._offloaded[path] = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()
+            load_model_weights(gpt, path, self.model_cfg)
+            self._offloaded[path] = {k: v.detach().to("cpu", copy=True) for k, v in gpt.state_dict().items()
                                      if not k.endswith("_extra_state")}
         self._resident: str | None = None
 
@@ -65,6 +69,6 @@ class TeacherPool:
         """The frozen model holding ``domain``'s teacher weights (swapped in from the CPU copy)."""
         path = self.teachers[domain]
         if self._resident != path:
-            self.module.load_state_dict(self._offloaded[path], strict=False)
+            unwrap(self.module).load_state_dict(self._offloaded[path], strict=False)
             self._resident = path
         return self.module

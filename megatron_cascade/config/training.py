@@ -21,6 +21,14 @@ class OptimizerConfig:
     lr_warmup_init: float = 0.0  # lr at step 0 of the warmup (MOPD: 2e-7 -> 2e-6 over 30 steps)
     lr_decay_style: str = "constant"  # constant | linear | cosine
     lr_decay_steps: Optional[int] = None  # null = the stage's number of steps
+    # fp16 loss scaling (model.precision=fp16 only): the loss is multiplied by the scale before the
+    # backward pass so small gradients survive fp16; a step whose gradients overflow is skipped and
+    # the scale halved (after `hysteresis` overflows); it doubles after `loss_scale_window` clean steps.
+    loss_scale: Optional[float] = None  # a fixed scale; null = dynamic
+    initial_loss_scale: float = 65536.0  # 2^16: each skipped step wastes a whole rollout batch in RL
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
 
 
 @dataclass

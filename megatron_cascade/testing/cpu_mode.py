@@ -12,6 +12,9 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
 * ``torch.cuda.Stream/Event/synchronize/...`` become no-ops;
 * the MoE router's Transformer-Engine-only GEMM becomes ``F.linear``;
 * gradient clipping scales grads without asserting they are CUDA tensors;
+* while Megatron's mixed-precision and distributed optimizers are built (only then), CPU tensors
+  report ``torch.cuda.*Tensor`` type names: both sort parameters into fp16/bf16 vs fp32 groups by
+  ``param.type()`` and refuse anything but CUDA names (bf16/fp16 training with fp32 master weights);
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
   alltoall dispatcher passes).
 
@@ -22,6 +25,7 @@ On a machine with a GPU do not call it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any
 
@@ -127,6 +131,51 @@ def _patch_megatron() -> None:
     moe_utils.router_gating_linear = router_gating_linear
     router.router_gating_linear = router_gating_linear
     _patch_grad_clipping()
+    _patch_optimizer_type_checks()
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, ``tensor.type()`` on a CPU tensor answers ``torch.cuda.<X>Tensor``.
+
+    Re-entrant: CPU mode's TorchFunctionMode calls back into the patched method with the
+    original ``Tensor.type``, whose answer may already carry the ``torch.cuda.`` name.
+    """
+    previous = torch.Tensor.type
+    original = torch._C.TensorBase.type
+
+    def type_name(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(out, str) or out.startswith("torch.cuda."):
+            return out  # a conversion (``t.type(dtype)``), or already a CUDA name
+        return "torch.cuda." + out[len("torch."):]
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = previous
+
+
+def _with_cuda_type_names(cls) -> None:
+    """Run ``cls.__init__`` under ``_cuda_type_names`` (the type strings only group parameters
+    by dtype; nothing CUDA-specific follows from them under CPU mode)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        with _cuda_type_names():
+            init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _patch_optimizer_type_checks() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    _with_cuda_type_names(Float16OptimizerWithFloat16Params)
+    _with_cuda_type_names(DistributedOptimizer)
 
 
 def _patch_grad_clipping() -> None:

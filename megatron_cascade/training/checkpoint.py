@@ -1,17 +1,23 @@
-"""Resumable training checkpoints, written atomically.
+"""Resumable training checkpoints, written atomically, loadable at another parallel layout.
 
-A checkpoint is a folder ``step_00000N/`` holding ``weights/`` (a Megatron distributed checkpoint,
-any layout can load it), ``optim/rank_XXXXX.pt`` (this rank's optimizer, lr schedule and RNG states:
-resume needs the same parallel layout) and ``state.json``. It is written as ``step_00000N.partial/``
-and renamed when every rank has finished; then the ``latest`` pointer is replaced atomically. A crash
-at any moment leaves either the previous ``latest`` or the new one, never a half-written one.
-With the distributed optimizer (GPU), its sharded parameter state (Adam moments, fp32 master
-weights) goes to ``optim/distributed_optimizer.pt`` through Megatron's ``save_parameter_state``.
+A checkpoint is a folder ``step_00000N/`` holding
+* ``weights/``: the model, a Megatron distributed checkpoint (any TP/PP/EP layout loads it);
+* ``optim/``: the optimizer state (Adam moments, fp32 master weights with bf16/fp16, step, fp16 loss
+  scale) as another distributed checkpoint, built from ``optimizer.sharded_state_dict`` and keyed by
+  the model's tensors (the distributed optimizer in its ``fully_reshardable`` form), written and
+  read fully in parallel over the data-parallel ranks: a run saved at DP=2/TP=2 resumes at DP=1/TP=1;
+* ``rng/rank_XXXXX.pt``: each rank's RNG states (plain tensors, read back with ``weights_only``);
+* ``state.json``: the step, the caller's state, the lr schedule and the layout it was written at.
+It is written as ``step_00000N.partial/`` and renamed when every rank has finished; then the ``latest``
+pointer is replaced atomically. A crash at any moment leaves either the previous ``latest`` or the
+new one, never a half-written one. Nothing here unpickles code: the files Megatron writes are read by
+``torch.load`` with its ``weights_only`` default, ours too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -19,12 +25,15 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_cascade.model import load_model_weights, save_model_weights
-from megatron_cascade.model.checkpoint import _barrier, _rank
-from megatron_cascade.training.policy import Policy
+from megatron_cascade.model import CheckpointError, save_model_weights
+from megatron_cascade.model.checkpoint import _barrier, _rank, _signal_safe_writer_queue
+from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
-DIST_OPTIMIZER_STATE = "distributed_optimizer.pt"
+# Megatron's layout-independent form of the distributed optimizer's state (model-space tensors).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -35,6 +44,15 @@ def write_atomically(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _layout() -> dict[str, int]:
+    """This run's parallel layout (what per-rank RNG states depend on)."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": torch.distributed.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -52,24 +70,109 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _rng_file(ckpt: str) -> str:
+    return os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
+
+
+def _sub_optimizers(policy: Policy) -> list:
+    return list(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]))
+
+
+def _parallel_strategies(ckpt_dir: Optional[str] = None):
+    """Fully parallel save (or load, with ``ckpt_dir``): data-parallel replicas split the work."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if ckpt_dir is None:
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), group)
+
+
+def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
+    """Write the optimizer's state as a distributed checkpoint into ``ckpt_dir``; collective."""
+    from megatron.core import dist_checkpointing
+
+    _signal_safe_writer_queue()
+    state = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=False,
+                                                metadata=_OPTIMIZER_METADATA)
+    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=_parallel_strategies())
+
+
+def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
+    """Read ``save_optimizer_state``'s checkpoint into the policy's optimizer at this layout; collective.
+
+    The model must hold the checkpoint's weights already: the optimizer state is keyed by them.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = _sub_optimizers(policy)
+    for opt in subs:
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            # Building its load dict reads state_dict(), which needs allocated Adam states; the dummy
+            # values are overwritten by the load.
+            opt._init_optimizer_states_with_dummy_values()
+    request = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=True,
+                                                  metadata=_OPTIMIZER_METADATA)
+    loaded = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_parallel_strategies(ckpt_dir))
+    states = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
+    for opt, state in zip(subs, states):
+        if isinstance(opt, DistributedOptimizer):
+            _load_distributed_optimizer(opt, state)
+        else:
+            opt.load_state_dict(state)
+
+
+def _load_distributed_optimizer(opt, state: dict) -> None:
+    """``DistributedOptimizer.load_state_dict`` for a ``fully_reshardable`` state with torch's Adam.
+
+    Megatron's version assumes a fused Adam without per-parameter ``step``: with torch's Adam it
+    copies into a ``step`` the saved tensors lack (KeyError) and leaves every parameter sharing one
+    ``step`` tensor, which Adam then increments once per parameter. Here the parameter state is
+    loaded with ``step`` set aside, and each parameter gets its own copy of the loaded step.
+    """
+    param_state = state.pop("param_state")
+    kind = state.pop("param_state_sharding_type")
+    if kind != "fully_reshardable":
+        raise CheckpointError(f"optimizer state of sharding type {kind!r}; this version reads 'fully_reshardable'")
+    opt.load_state_dict(state)  # param groups, step, fp16 loss scale
+    inner = opt.optimizer.state
+    steps = {param: s.pop("step") for param, s in inner.items() if "step" in s}
+    try:
+        with torch.no_grad():  # fp32 main shards are views of parameters that require grad
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for param, step in steps.items():
+            inner[param]["step"] = step.detach().clone()
+
+
 def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[str, Any], keep_last: int) -> str:
     """Save policy + optimizer + schedule + RNG + ``state`` (JSON-able) as ``root/step_{step}``; collective."""
     name = f"step_{step:08d}"
     final, partial = os.path.join(root, name), os.path.join(root, f"{name}.partial")
+    finish_param_sync(policy)  # the weights of this step, not the last all-gathered ones
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(os.path.join(partial, "optim"), exist_ok=True)
+        for sub in ("rng", "optim"):
+            os.makedirs(os.path.join(partial, sub), exist_ok=True)
     _barrier()
     save_model_weights(policy.module, os.path.join(partial, "weights"), policy.model_config)
-    torch.save({"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict(),
-                "rng": _rng_state()}, os.path.join(partial, "optim", f"rank_{_rank():05d}.pt"))
-    if policy.parallel.use_distributed_optimizer:
-        # The distributed optimizer keeps Adam moments and fp32 master weights out of state_dict().
-        policy.optimizer.save_parameter_state(os.path.join(partial, "optim", DIST_OPTIMIZER_STATE))
+    save_optimizer_state(policy, os.path.join(partial, "optim"))
+    torch.save(_rng_state(), _rng_file(partial))
+    meta = {"step": step, **state, "scheduler": policy.scheduler.state_dict(), "layout": _layout(),
+            "optimizer": {"distributed": policy.parallel.use_distributed_optimizer}}
     _barrier()
     if _rank() == 0:
         with open(os.path.join(partial, "state.json"), "w") as f:
-            json.dump({"step": step, **state}, f, indent=2, sort_keys=True)
+            json.dump(meta, f, indent=2, sort_keys=True)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
         write_atomically(os.path.join(root, LATEST), name)
@@ -112,25 +215,43 @@ def read_latest(root: str) -> Optional[str]:
 
 
 def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
-    """Restore policy, optimizer, schedule and RNG from ``path``; returns its ``state.json``; collective."""
-    load_model_weights(policy.module, os.path.join(path, "weights"), policy.model_config)
-    optim_file = os.path.join(path, "optim", f"rank_{_rank():05d}.pt")
-    if not os.path.isfile(optim_file):
-        raise RuntimeError(f"{optim_file} is missing: resume needs the parallel layout (world size) the "
-                           "checkpoint was written with; its weights/ load at any layout")
-    saved = torch.load(optim_file, weights_only=False)
-    policy.optimizer.load_state_dict(saved["optimizer"])
-    if policy.parallel.use_distributed_optimizer:
-        policy.optimizer.load_parameter_state(os.path.join(path, "optim", DIST_OPTIMIZER_STATE))
-    policy.scheduler.load_state_dict(saved["scheduler"])
-    _set_rng_state(saved["rng"])
+    """Restore policy, optimizer, schedule and RNG from ``path``; returns its ``state.json``; collective.
+
+    Any parallel layout loads the weights and the optimizer. Per-rank RNG states are restored only
+    at the layout they were saved at (elsewhere the stage's own seeding stands, and a line is logged).
+    Raises ``CheckpointError`` when the checkpoint's optimizer kind differs from
+    ``parallel.use_distributed_optimizer`` (their states are stored differently).
+    """
     with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
+        saved = json.load(f)
+    _check_optimizer_kind(path, saved, policy)
+    load_policy_weights(policy, os.path.join(path, "weights"))
+    load_optimizer_state(policy, os.path.join(path, "optim"))  # fp32 masters from here, not the weights
+    policy.scheduler.load_state_dict(saved["scheduler"])
+    if saved.get("layout") == _layout() and os.path.isfile(_rng_file(path)):
+        _set_rng_state(torch.load(_rng_file(path), weights_only=True))
+    elif _rank() == 0:
+        log.info("%s was saved at layout %s, resuming at %s: RNG states not restored", path, saved.get("layout"),
+                 _layout())
+    return saved
+
+
+def _check_optimizer_kind(path: str, saved: dict, policy: Policy) -> None:
+    kind = saved.get("optimizer", {}).get("distributed")
+    if kind is None:
+        raise CheckpointError(f"{path} has no optimizer record in state.json: it was written by an older "
+                              "version (per-rank optim/*.pt files); start the stage from its weights instead")
+    if kind != policy.parallel.use_distributed_optimizer:
+        raise CheckpointError(
+            f"{path} holds {'distributed' if kind else 'plain'} optimizer state but "
+            f"parallel.use_distributed_optimizer={policy.parallel.use_distributed_optimizer}: resume with "
+            f"parallel.use_distributed_optimizer={str(kind).lower()} (the two store Adam state differently)")
 
 
 def save_final_weights(path: str, policy: Policy, extra_files: dict[str, str]) -> None:
     """A stage's final weights (what later stages start from and MOPD teachers load), atomically."""
     partial = f"{path}.partial"
+    finish_param_sync(policy)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()

@@ -1,17 +1,26 @@
-"""The trained policy: a GPTModel wrapped in Megatron's DDP, its optimizer and lr schedule."""
+"""The trained policy: a GPTModel wrapped in Megatron's DDP, its optimizer and lr schedule.
+
+Precision: with ``model.precision`` bf16/fp16 the model is wrapped in Megatron's ``Float16Module``
+(as Megatron-LM does: every parameter, norms included, in the 16-bit dtype) and Megatron's
+mixed-precision optimizer keeps fp32 master weights. Those masters are copied from the model when the
+optimizer is built: weights loaded into the model later must be pushed into them
+(``load_policy_weights``), or the first step writes the build-time init back over the loaded weights.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 
 import torch
 
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.config.training import OptimizerConfig
-from megatron_cascade.model import build_gpt_model
+from megatron_cascade.model import build_gpt_model, load_model_weights
 from megatron_cascade.model.builder import params_dtype
 
 _DECAY_STYLES = ("constant", "linear", "cosine")
+_LOSS_SCALE_KEYS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
 @dataclass
@@ -26,8 +35,50 @@ class Policy:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The unwrapped GPTModel (for checkpoints and generation)."""
-        return self.chunks[0].module
+        """The unwrapped GPTModel (for checkpoints and generation).
+
+        With the distributed optimizer and ``overlap_param_gather`` its parameters may lag one step
+        behind the optimizer: call ``finish_param_sync`` before reading them outside a training step.
+        """
+        return unwrap(self.chunks[0])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (they all keep it in ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def in_model_precision(model: torch.nn.Module, model_cfg: ModelConfig) -> torch.nn.Module:
+    """``model`` as Megatron-LM runs it at ``model.precision``: bf16/fp16 inside ``Float16Module``.
+
+    The wrapper casts the parameters the layer specs leave in fp32 (the local spec's norms) to the
+    16-bit dtype, so CPU and Transformer Engine models hold the same dtypes; fp32 models are returned
+    as they are. Frozen models (teachers, KL reference) use it too, so that they compute exactly what
+    the policy computes. Logits stay in the model dtype (see ``_float16_module_class``).
+    """
+    if params_dtype(model_cfg) is torch.float32:
+        return model
+    return _float16_module_class()(model.config, model)
+
+
+@functools.cache
+def _float16_module_class() -> type:
+    """Megatron's ``Float16Module`` returning outputs in the model dtype (built on first use, so that
+    importing this module does not import Megatron).
+
+    ``Float16Module`` upcasts the last stage's output (the [s, b, V/TP] logits) to a full fp32 copy.
+    Our token log-probs (``ops/logprobs.py``) upcast the logits chunk by chunk and accumulate in fp32,
+    which gives the same numbers as the upcast copy without holding it.
+    """
+    from megatron.core.transformer.module import Float16Module
+
+    class Float16ModuleModelDtypeOutput(Float16Module):
+        def forward(self, *inputs, fp32_output: bool = False, **kwargs):
+            return super().forward(*inputs, fp32_output=fp32_output, **kwargs)
+
+    return Float16ModuleModelDtypeOutput
 
 
 def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -39,17 +90,16 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
 
 
 def build_policy(model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimizerConfig, total_steps: int) -> Policy:
-    """A fresh policy (random init; load weights into ``policy.module`` afterwards) with a new optimizer.
+    """A fresh policy (random init; load weights with ``load_policy_weights``) with a new optimizer.
 
     Megatron's parallel state must be initialised. ``total_steps`` sets the lr decay horizon when
     ``optim.lr_decay_steps`` is null.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    validate_optimizer_config(optim)
-    model = build_gpt_model(model_cfg, parallel)
+    validate_optimizer_config(optim, model_cfg)
+    model = in_model_precision(build_gpt_model(model_cfg, parallel), model_cfg)
     config = model.config
-    config.calculate_per_token_loss = True
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
@@ -63,12 +113,19 @@ def build_policy(model_cfg: ModelConfig, parallel: ParallelConfig, optim: Optimi
     config.finalize_model_grads_func = _finalize_grads_without_token_scaling
     config.no_sync_func = ddp.no_sync
     optimizer = _build_optimizer(ddp, model_cfg, parallel, optim)
+    # The schedules multiply each micro-batch loss by this before backward (fp16 loss scaling; a
+    # scale of 1 otherwise), as Megatron-LM sets it.
+    config.grad_scale_func = optimizer.scale_loss
     scheduler = _build_scheduler(optimizer, optim, total_steps)
     return Policy([ddp], optimizer, scheduler, model_cfg, parallel)
 
 
-def validate_optimizer_config(optim: OptimizerConfig) -> None:
-    """Raise ``ConfigError`` naming the key for impossible optimizer settings."""
+def validate_optimizer_config(optim: OptimizerConfig, model_cfg: ModelConfig | None = None) -> None:
+    """Raise ``ConfigError`` naming the key for impossible optimizer settings.
+
+    With ``model_cfg``, also refuse fp16 loss-scale settings on a model that is not fp16 (they
+    would do nothing).
+    """
     if optim.lr_decay_style not in _DECAY_STYLES:
         raise ConfigError(f"optimizer.lr_decay_style={optim.lr_decay_style!r} is not one of {list(_DECAY_STYLES)}")
     if not 0 <= optim.min_lr <= optim.lr:
@@ -77,6 +134,24 @@ def validate_optimizer_config(optim: OptimizerConfig) -> None:
         raise ConfigError(f"optimizer.lr_warmup_init={optim.lr_warmup_init} must be in [0, optimizer.lr={optim.lr}]")
     if optim.lr_warmup_steps < 0 or optim.clip_grad < 0 or optim.weight_decay < 0:
         raise ConfigError("optimizer.lr_warmup_steps, optimizer.clip_grad and optimizer.weight_decay must be >= 0")
+    _validate_loss_scale(optim, model_cfg)
+
+
+def _validate_loss_scale(optim: OptimizerConfig, model_cfg: ModelConfig | None) -> None:
+    if optim.loss_scale is not None and optim.loss_scale <= 0:
+        raise ConfigError(f"optimizer.loss_scale={optim.loss_scale} must be > 0 (or null for a dynamic scale)")
+    if not 0 < optim.min_loss_scale <= optim.initial_loss_scale:
+        raise ConfigError(f"optimizer.min_loss_scale={optim.min_loss_scale} must be in "
+                          f"(0, optimizer.initial_loss_scale={optim.initial_loss_scale}]")
+    if optim.loss_scale_window < 1 or optim.hysteresis < 1:
+        raise ConfigError("optimizer.loss_scale_window and optimizer.hysteresis must be >= 1")
+    if model_cfg is None or model_cfg.precision == "fp16":
+        return
+    defaults = {f.name: f.default for f in fields(OptimizerConfig)}
+    changed = [k for k in _LOSS_SCALE_KEYS if getattr(optim, k) != defaults[k]]
+    if changed:
+        raise ConfigError(f"optimizer.{changed[0]} sets fp16 loss scaling, but model.precision="
+                          f"{model_cfg.precision!r}: loss scaling applies to model.precision=fp16 only")
 
 
 def _build_optimizer(ddp, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimizerConfig):
@@ -97,6 +172,11 @@ def _build_optimizer(ddp, model_cfg: ModelConfig, parallel: ParallelConfig, opti
         fp16=dtype is torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
+        loss_scale=optim.loss_scale,
+        initial_loss_scale=optim.initial_loss_scale,
+        min_loss_scale=optim.min_loss_scale,
+        loss_scale_window=optim.loss_scale_window,
+        hysteresis=optim.hysteresis,
     )
     return get_megatron_optimizer(config, [ddp])
 
@@ -120,3 +200,27 @@ def _build_scheduler(optimizer, optim: OptimizerConfig, total_steps: int):
         wd_incr_style="constant",
     )
 
+
+
+def load_policy_weights(policy: Policy, ckpt_dir: str) -> None:
+    """Load a weights folder into the policy and make the optimizer's fp32 masters equal to it.
+
+    The one way to put weights into a policy whose optimizer exists (stage warm start,
+    init_checkpoint, resume): without the reload, bf16/fp16 masters keep the build-time init and
+    the first step copies them back over the loaded weights. Collective over all ranks.
+    """
+    load_model_weights(policy.module, ckpt_dir, policy.model_config)
+    policy.optimizer.reload_model_params()
+
+
+def finish_param_sync(policy: Policy) -> None:
+    """Make every rank's model parameters hold the optimizer's latest weights; collective.
+
+    With the distributed optimizer and ``parallel.overlap_param_gather`` a step updates only this
+    rank's shard and leaves the all-gather to the next training forward. Call this before anything
+    else reads ``policy.module`` (saving, generation, evaluation). A no-op otherwise.
+    """
+    if not (policy.parallel.use_distributed_optimizer and policy.parallel.overlap_param_gather):
+        return
+    for chunk in policy.chunks:
+        chunk.start_param_sync(force_sync=True)

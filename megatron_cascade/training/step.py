@@ -54,11 +54,19 @@ def _run_schedule(chunks: list, forward_step, micros: list[TrainBatch], forward_
     )
 
 
+def _metrics_device(keys: tuple, per_micro: list[dict]) -> torch.device:
+    """Where the loss metrics live (the model's device); ranks without them (pipeline stages
+    before the last) use the current accelerator, or the CPU."""
+    for metrics in per_micro:
+        return metrics[keys[0]].device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _reduce_metric_sums(keys: tuple, per_micro: list[dict]) -> dict[str, float]:
     """Sum metric dicts over micro-batches, data-parallel ranks and pipeline stages (only the last
-    stage has them), so that every rank holds the global sums."""
+    stage has them), so that every rank holds the global sums (float64, on the metrics' device)."""
     ps = _parallel_state()
-    sums = torch.zeros(len(keys), dtype=torch.float64)
+    sums = torch.zeros(len(keys), dtype=torch.float64, device=_metrics_device(keys, per_micro))
     for metrics in per_micro:
         sums += torch.stack([metrics[k].to(torch.float64).reshape(()) for k in keys])
     dist.all_reduce(sums, group=ps.get_data_parallel_group())
@@ -74,6 +82,13 @@ def _grads_are_finite(policy: Policy) -> bool:
     bad = torch.tensor(0.0 if torch.isfinite(total) else 1.0)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad)
+
+
+def _has_grad_scaler(policy: Policy) -> bool:
+    """Whether Megatron's optimizer scales the loss (fp16): it then finds non-finite gradients itself,
+    skips the step and lowers the scale; a skip decided before it would never lower the scale."""
+    optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    return any(getattr(opt, "grad_scaler", None) is not None for opt in optimizers)
 
 
 def _zero_grads(policy: Policy) -> None:
@@ -107,16 +122,27 @@ def apply_gradients(policy: Policy, training: TrainingConfig, *, empty: bool = F
     A step is skipped on all ranks (weights, optimizer state and schedule untouched; logged) when
     the global batch had no valid token (``empty``: Adam momentum and weight decay would still move
     the weights), or when a gradient holds NaN/inf on any rank and ``training.skip_nonfinite_steps``.
-    Returns ``grad_norm``, ``lr`` and ``skipped`` (0 or 1).
+    With fp16 loss scaling Megatron's optimizer makes that call (always): it skips the step and
+    lowers the loss scale, which grows back after ``optimizer.loss_scale_window`` clean steps.
+    Returns ``grad_norm``, ``lr``, ``skipped`` (0 or 1) and, with fp16, ``loss_scale``.
     """
-    if empty or (training.skip_nonfinite_steps and not _grads_are_finite(policy)):
+    scaled = _has_grad_scaler(policy)
+    check_here = training.skip_nonfinite_steps and not scaled
+    if empty or (check_here and not _grads_are_finite(policy)):
         log.warning("skipping optimizer step: %s", "no valid token in the batch" if empty else "non-finite gradients")
         _zero_grads(policy)
         return {"grad_norm": float("nan") if not empty else 0.0, "skipped": 1.0, "lr": _current_lr(policy)}
     ok, grad_norm, _ = policy.optimizer.step()
     if ok:
         policy.scheduler.step(increment=1)
-    return {"grad_norm": float(grad_norm or 0.0), "skipped": 0.0 if ok else 1.0, "lr": _current_lr(policy)}
+    else:
+        log.warning("optimizer skipped the step: non-finite gradients (fp16 loss scale now %g)",
+                    float(policy.optimizer.get_loss_scale()))
+    out = {"grad_norm": float(grad_norm) if ok and grad_norm is not None else (0.0 if ok else float("nan")),
+           "skipped": 0.0 if ok else 1.0, "lr": _current_lr(policy)}
+    if scaled:
+        out["loss_scale"] = float(policy.optimizer.get_loss_scale())
+    return out
 
 
 def train_step(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict[str, float]:
