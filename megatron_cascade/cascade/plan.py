@@ -1,16 +1,36 @@
-"""``run --dry-run``: the resolved parallel layout, per-GPU memory estimate and stage plan, no GPU touched."""
+"""``run --dry-run``: refuse what the code cannot run, then print the layout, the per-GPU memory plan
+and the stage plan, for the cluster the config describes (no GPU touched, no CUDA/TE needed here).
+
+Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the cascade):
+
+* static: weights, gradients, optimizer state (``static_memory``), plus the frozen KL reference
+  (GRPO with ``loss.kl_coef > 0``) or the one resident MOPD teacher, in the model dtype;
+* generation: the static KV cache (``rollout/model_runner.py``: every local sample at
+  prompt + response length), the full-vocabulary logits of a decode step, and the prefill of one
+  layer over all local prompts;
+* training: activations of the micro-batches in flight (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", generalised to GQA, SwiGLU and MoE top-k;
+  with ``model.recompute`` none/selective/full) and the logits with their gradient (model dtype:
+  the fp32 work of ``ops/logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled);
+* peak = static + max(generation, training); host memory holds the offloaded MOPD teachers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
-from megatron_cascade.config import RunConfig, resolve_stage
-from megatron_cascade.config.model import ModelConfig
-from megatron_cascade.model import resolve_layout
+from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
+from megatron_cascade.config.model import FP8Config, ModelConfig
+from megatron_cascade.config.schema import ResolvedStage
+from megatron_cascade.model import Layout, resolve_layout
 
 GIB = 2**30
+_FP8_ALIGN = 16  # TE FP8 GEMMs need both operand dims divisible by 16
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+# -- parameters and static state ------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParamCount:
     """Parameters of a model, split by how they are sharded."""
@@ -24,10 +44,18 @@ class ParamCount:
         return self.embedding + self.dense + self.expert
 
 
+def _head_dim(m: ModelConfig) -> int:
+    return m.kv_channels or m.hidden_size // m.num_attention_heads
+
+
+def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    return bool(m.moe.num_experts) and layer % m.moe.layer_freq == 0
+
+
 def count_parameters(m: ModelConfig) -> ParamCount:
     """Analytic parameter count of the GPTModel ``m`` describes."""
     h, heads = m.hidden_size, m.num_attention_heads
-    hd = m.kv_channels or h // heads
+    hd = _head_dim(m)
     groups = m.num_query_groups or heads
     gate = 2 if m.activation == "swiglu" else 1
     attention = h * hd * (heads + 2 * groups) + heads * hd * h + 2 * h
@@ -37,7 +65,7 @@ def count_parameters(m: ModelConfig) -> ParamCount:
     dense = expert = 0
     for layer in range(m.num_layers):
         dense += attention
-        if m.moe.num_experts and layer % m.moe.layer_freq == 0:
+        if _is_moe_layer(m, layer):
             e_ffn = m.moe.ffn_hidden_size or ffn
             expert += m.moe.num_experts * (h * e_ffn * gate + e_ffn * h)
             dense += h * m.moe.num_experts
@@ -50,6 +78,16 @@ def count_parameters(m: ModelConfig) -> ParamCount:
     return ParamCount(embedding, dense, expert)
 
 
+def params_per_gpu(cfg: RunConfig, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters held by one GPU of the most loaded pipeline stage."""
+    counts = count_parameters(cfg.model)
+    # Embedding and output layer sit on the first and last pipeline stages: with PP > 1 the most
+    # loaded stage holds one of them (untied) or the single shared one.
+    embedding = counts.embedding if layout.pp == 1 else counts.embedding / (1 if cfg.model.tie_embeddings else 2)
+    dense = counts.dense / (layout.tp * layout.pp) + embedding / layout.tp
+    return dense, counts.expert / (layout.ep * layout.etp * layout.pp)
+
+
 def memory_per_gpu(cfg: RunConfig, world_size: int) -> dict[str, float]:
     """GiB per GPU of weights, gradients and optimizer state (the most loaded pipeline stage).
 
@@ -57,48 +95,305 @@ def memory_per_gpu(cfg: RunConfig, world_size: int) -> dict[str, float]:
     The distributed optimizer shards the optimizer state over (expert-)data-parallel ranks.
     """
     layout = resolve_layout(cfg.model, cfg.parallel, world_size, check_this_machine=False)
-    counts = count_parameters(cfg.model)
-    # Embedding and output layer sit on the first and last pipeline stages: with PP > 1 the most
-    # loaded stage holds one of them (untied) or the single shared one.
-    embedding = counts.embedding if layout.pp == 1 else counts.embedding / (1 if cfg.model.tie_embeddings else 2)
-    dense_per_gpu = counts.dense / (layout.tp * layout.pp) + embedding / layout.tp
-    expert_per_gpu = counts.expert / (layout.ep * layout.etp * layout.pp)
+    dense, expert = params_per_gpu(cfg, layout)
     half = cfg.model.precision in ("bf16", "fp16")
     weight_b, grad_b, optim_b = (2, 4, 12) if half else (4, 4, 8)
     distributed = cfg.parallel.use_distributed_optimizer
-    optim = optim_b * (dense_per_gpu / (layout.dp if distributed else 1)
-                       + expert_per_gpu / (layout.expert_dp if distributed else 1))
-    params = dense_per_gpu + expert_per_gpu
+    optim = optim_b * (dense / (layout.dp if distributed else 1) + expert / (layout.expert_dp if distributed else 1))
+    params = dense + expert
     return {"params_per_gpu_b": params / 1e9, "weights_gib": params * weight_b / GIB,
             "grads_gib": params * grad_b / GIB, "optimizer_gib": optim / GIB,
             "total_gib": (params * (weight_b + grad_b) + optim) / GIB}
 
 
+# -- what the code cannot run -----------------------------------------------------------------------
+def check_runnable(cfg: RunConfig, layout: Layout) -> None:
+    """Raise ``ConfigError`` (naming the key and the reason) for a layout or option this code or
+    the libraries under it refuse at run time; called by the dry run before it plans anything."""
+    p, m = cfg.parallel, cfg.model
+    if layout.cp > 1:
+        raise ConfigError(f"parallel.context_parallel_size={layout.cp}: the training step does not split "
+                          "sequences over context-parallel ranks yet (training/step.py); set it to 1")
+    rl_stages = [s.name for s in cfg.stages if s.type in ("grpo", "mopd")]
+    if p.sequence_parallel and rl_stages:
+        raise ConfigError(f"parallel.sequence_parallel=true: rollout generation (rollout/generate.py) does not run "
+                          f"with sequence parallelism, and stages {rl_stages} generate; use TP=1 (with EP) for "
+                          "an MoE model, or drop sequence_parallel for a dense one")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        raise ConfigError("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
+                          "(Megatron's DDP gathers parameters only from distributed-optimizer shards)")
+    if m.moe.num_experts and m.moe.token_dispatcher_type == "flex":
+        raise ConfigError("model.moe.token_dispatcher_type=flex needs DeepEP/HybridEP, which megatron-cascade "
+                          "neither installs nor tests; use alltoall")
+    if m.moe.num_experts and m.moe.grouped_gemm and not cfg.cluster.transformer_engine:
+        raise ConfigError("model.moe.grouped_gemm=true needs Transformer Engine (cluster.transformer_engine=false)")
+    _check_fp8(cfg, layout)
+    _check_transformer_config(cfg)
+    for index, stage_cfg in enumerate(cfg.stages):
+        if stage_cfg.prompts_per_step % layout.dp:
+            raise ConfigError(f"stages[{index}] ({stage_cfg.name}): prompts_per_step={stage_cfg.prompts_per_step} "
+                              f"is not divisible by the data-parallel size {layout.dp}")
+
+
+def _check_fp8(cfg: RunConfig, layout: Layout) -> None:
+    m = cfg.model
+    if m.fp8.format is None:
+        return
+    if not cfg.cluster.transformer_engine:
+        raise ConfigError("model.fp8.format needs Transformer Engine on the cluster (cluster.transformer_engine=false)")
+    if m.moe.num_experts and not m.moe.grouped_gemm:
+        raise ConfigError("model.fp8.format with an MoE model needs model.moe.grouped_gemm=true: only TE's grouped "
+                          "experts pad each expert's tokens to the FP8 GEMM alignment (16)")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    dims = [("model.hidden_size", m.hidden_size, 1),
+            ("model.num_attention_heads x head dim", m.num_attention_heads * _head_dim(m), layout.tp)]
+    if not m.moe.num_experts or m.moe.layer_freq > 1:
+        dims.append(("model.ffn_hidden_size", ffn, layout.tp))
+    if m.moe.num_experts:
+        dims.append(("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size or ffn, layout.etp))
+    for key, size, split in dims:
+        if (size // split) % _FP8_ALIGN:
+            raise ConfigError(f"model.fp8.format: {key}={size} / {split} (its tensor-parallel split) is not a "
+                              f"multiple of {_FP8_ALIGN}, which TE's FP8 GEMMs need")
+
+
+# Megatron's names (fields, or their --flag spelling in its messages) of the options we set.
+_MEGATRON_NAMES = {
+    "moe_router_pre_softmax": "model.moe.router_pre_softmax", "moe_router_topk": "model.moe.router_topk",
+    "moe_token_dispatcher_type": "model.moe.token_dispatcher_type", "moe_grouped_gemm": "model.moe.grouped_gemm",
+    "moe_aux_loss_coeff": "model.moe.aux_loss_coeff",
+    "moe_router_load_balancing_type": "model.moe.router_load_balancing_type",
+    "moe_shared_expert_intermediate_size": "model.moe.shared_expert_intermediate_size",
+    "moe_ffn_hidden_size": "model.moe.ffn_hidden_size", "moe_layer_freq": "model.moe.layer_freq",
+    "num_moe_experts": "model.moe.num_experts", "recompute_num_layers": "model.recompute_num_layers",
+    "recompute_granularity": "model.recompute", "recompute_method": "model.recompute",
+    "num_query_groups": "model.num_query_groups", "kv_channels": "model.kv_channels",
+    "ffn_hidden_size": "model.ffn_hidden_size", "sequence_parallel": "parallel.sequence_parallel",
+    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
+    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+}
+
+
+def _our_keys(message: str) -> list[str]:
+    """Config keys of the Megatron options a Megatron error message mentions."""
+    text = message.lower()
+    keys = [key for name, key in _MEGATRON_NAMES.items()
+            if name in text or "--" + name.replace("_", "-") in text]
+    return sorted(set(keys))
+
+
+def _check_transformer_config(cfg: RunConfig) -> None:
+    """Build Megatron's ``TransformerConfig`` here, without CUDA: what it (or ``validate_model_config``)
+    refuses is refused now, with our config keys added to Megatron's message. FP8 fields are checked by
+    ``_check_fp8``: TransformerConfig reads the installed TE version for them, absent without GPUs."""
+    from megatron_cascade.model import transformer_config
+
+    try:
+        transformer_config(replace(cfg.model, fp8=FP8Config()), cfg.parallel)
+    except ConfigError as exc:
+        keys = [k for k in _our_keys(str(exc)) if k not in str(exc)]
+        raise ConfigError(f"{exc} (config keys: {', '.join(keys)})" if keys else str(exc)) from None
+
+
+# -- activations, logits, KV cache --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """What one training micro-batch or generation batch looks like to one GPU."""
+
+    seq: int  # tokens per sequence (before context-parallel splitting)
+    batch: int  # sequences
+
+
+def layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, sequence_parallel: bool,
+                           fused_attention: bool, keep_scores: bool, moe_layer: bool) -> float:
+    """Bytes one transformer layer keeps for its backward (one micro-batch, one GPU), without recompute.
+
+    Korthikanti et al. 2022 per layer: ``sbh (34/t + 5as/(ht))`` with SP (``10 + 24/t`` without), for
+    MHA, a 4h GELU MLP and dropout; here term by term so that GQA, SwiGLU, head dim, dropout and
+    MoE top-k enter: each tensor saved for backward, in the model dtype (dropout masks 1 byte).
+    ``keep_scores``: the [s x s] softmax of unfused attention is kept (no selective recompute).
+    """
+    e = _DTYPE_BYTES[m.precision]
+    t, s = layout.tp, shape.seq / layout.cp
+    tokens = s * shape.batch
+    h, a, d = m.hidden_size, m.num_attention_heads, _head_dim(m)
+    g = m.num_query_groups or a
+    outside = 1 / t if sequence_parallel else 1.0  # norms, dropouts, TP-region inputs: SP shards them
+    gate = 2 if m.activation == "swiglu" else 1
+    hidden_masks = 2 if m.hidden_dropout > 0 else 0  # after attention and after the MLP
+    total = tokens * h * (4 * e * outside + hidden_masks * outside)  # 2 norm inputs, QKV and fc1 inputs
+    total += e * tokens * d * (a + 2 * g) / t + e * tokens * a * d / t  # Q, K, V; out-projection input
+    if fused_attention:
+        total += 4 * shape.batch * (a / t) * s  # TE fused attention keeps fp32 softmax statistics only
+    elif keep_scores:
+        per_score = e + (1 + e if m.attention_dropout > 0 else 0)  # softmax out (+ dropout mask and out)
+        total += per_score * shape.batch * (a / t) * s * shape.seq  # a [s/cp x s] block per rank
+    if moe_layer:
+        routed = tokens * outside * m.moe.router_topk  # local tokens, each sent to top-k experts
+        e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
+        total += 4 * tokens * outside * m.moe.num_experts  # fp32 router logits
+        total += e * routed * (h + e_ffn * (gate + 1) / layout.etp)  # expert fc1 in, fc1 out, act out
+        shared = m.moe.shared_expert_intermediate_size or 0
+        total += e * tokens * shared * (gate + 1) / t
+    else:
+        ffn = m.ffn_hidden_size or 4 * h
+        total += e * tokens * ffn * (gate + 1) / t  # fc1 output (activation input), activation output
+    return total
+
+
+def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_flight: int) -> float:
+    """Activation bytes on the first pipeline stage (it holds ``in_flight`` micro-batches under 1F1B).
+
+    none: every layer's saved tensors; selective: the attention core is recomputed (no [s x s]
+    scores); full: only each ``recompute_num_layers`` chunk's input is kept, plus one chunk
+    recomputed during its backward.
+    """
+    m = cfg.model
+    sp, fused = cfg.parallel.sequence_parallel, cfg.cluster.transformer_engine
+    layers = m.num_layers // layout.pp
+
+    def layer(index: int, keep_scores: bool) -> float:
+        return layer_activation_bytes(m, layout, shape, sequence_parallel=sp, fused_attention=fused,
+                                      keep_scores=keep_scores, moe_layer=_is_moe_layer(m, index))
+
+    if m.recompute == "full":
+        chunk = min(m.recompute_num_layers, layers)
+        chunk_input = _DTYPE_BYTES[m.precision] * shape.seq / layout.cp * shape.batch * m.hidden_size
+        chunk_input /= layout.tp if sp else 1
+        return in_flight * math.ceil(layers / chunk) * chunk_input + sum(layer(i, True) for i in range(chunk))
+    return in_flight * sum(layer(i, m.recompute == "none") for i in range(layers))
+
+
+def logits_bytes(m: ModelConfig, layout: Layout, tokens: float) -> float:
+    """Output-layer logits [tokens, V/t] kept for the log-prob backward, and their gradient."""
+    return 2 * _DTYPE_BYTES[m.precision] * tokens * m.padded_vocab_size / layout.tp
+
+
+def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attention: bool) -> float:
+    """Largest set of live tensors while one layer runs the prompt forward (no grad, nothing kept):
+    the residual and norm output plus the attention block's or the MLP/experts' intermediates."""
+    e, t = _DTYPE_BYTES[m.precision], layout.tp
+    tokens = shape.seq * shape.batch
+    h, a, d = m.hidden_size, m.num_attention_heads, _head_dim(m)
+    g = m.num_query_groups or a
+    gate = 2 if m.activation == "swiglu" else 1
+    attention = tokens * d * (2 * a + 2 * g) / t  # Q, K, V and the core-attention output
+    if not fused_attention:
+        attention += shape.batch * (a / t) * shape.seq**2  # the [s x s] scores of unfused attention
+    if m.moe.num_experts:
+        e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
+        routed = tokens * m.moe.router_topk
+        mlp = routed * (h + e_ffn * (gate + 1) / layout.etp)
+    else:
+        mlp = tokens * (m.ffn_hidden_size or 4 * h) * (gate + 1) / t
+    return e * (2 * tokens * h + max(attention, mlp))
+
+
+def kv_cache_bytes(m: ModelConfig, layout: Layout, shape: Shape) -> float:
+    """Megatron's static KV cache: K and V of every local layer for every sequence at full length."""
+    groups = m.num_query_groups or m.num_attention_heads
+    groups_per_rank = max(1, groups // layout.tp)  # TP > groups replicates the KV heads
+    per_token = 2 * (m.num_layers // layout.pp) * groups_per_rank * _head_dim(m) * _DTYPE_BYTES[m.precision]
+    return per_token * shape.seq * shape.batch
+
+
+# -- one stage's plan -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageMemory:
+    """GiB per GPU (host: per node) for one stage."""
+
+    static: float  # weights + grads + optimizer
+    frozen: float  # KL reference or resident MOPD teacher
+    kv_cache: float
+    generation: float  # KV cache + decode logits + prefill of one layer
+    activations: float
+    logits: float
+    host_teachers: float  # offloaded MOPD teachers, per node
+
+    @property
+    def training(self) -> float:
+        return self.activations + self.logits
+
+    @property
+    def peak(self) -> float:
+        return self.static + self.frozen + max(self.generation, self.training)
+
+
+def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageMemory:
+    """The memory plan of ``stage`` on one GPU (see the module docstring)."""
+    m = cfg.model
+    e = _DTYPE_BYTES[m.precision]
+    dense, expert = params_per_gpu(cfg, layout)
+    samples = stage.prompts_per_step * (1 if stage.type == "sft" else stage.samples_per_prompt) // layout.dp
+    prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
+    seq = min(m.max_position_embeddings, prompt + (0 if stage.type == "sft" else stage.rollout.max_new_tokens))
+    micro = stage.training.micro_batch_size
+    in_flight = min(layout.pp, max(1, math.ceil(samples / micro)))
+    train_shape = Shape(seq, micro)
+    activations = training_activation_bytes(cfg, layout, train_shape, in_flight)
+    logits = logits_bytes(m, layout, seq / layout.cp * micro)
+    kv = generation = 0.0
+    if stage.type != "sft":
+        gen = Shape(seq, samples)
+        kv = kv_cache_bytes(m, layout, gen)
+        decode_logits = (e + 4) * samples * m.padded_vocab_size  # gathered over TP, sampled in fp32
+        prefill = prefill_bytes(m, layout, Shape(prompt, samples), fused_attention=cfg.cluster.transformer_engine)
+        generation = kv + decode_logits + prefill
+    frozen_weights = e * (dense + expert)
+    with_reference = stage.type == "grpo" and stage.loss.kl_coef > 0
+    frozen = frozen_weights if (with_reference or stage.type == "mopd") else 0.0
+    distinct_teachers = len(set(stage.teachers.values())) if stage.type == "mopd" else 0
+    host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
+    return StageMemory(memory_per_gpu(cfg, layout.world_size)["total_gib"], frozen / GIB, kv / GIB,
+                       generation / GIB, activations / GIB, logits / GIB, host / GIB)
+
+
+def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
+    frozen = ""
+    if mem.frozen:
+        frozen = f" + {'teacher' if stage.type == 'mopd' else 'kl-reference'} {mem.frozen:.1f}"
+    host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
+    return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
+            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}], training {mem.training:.1f} [activations "
+            f"{mem.activations:.1f} recompute={cfg.model.recompute}, logits {mem.logits:.1f}]){host}")
+
+
 def describe_plan(cfg: RunConfig) -> str:
-    """The dry-run text: layout, parameters, memory per GPU, and one line per stage."""
+    """The dry-run text: layout, parameters, memory per GPU, one line per stage; ``ConfigError`` for
+    a layout or option the code cannot run."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     layout = resolve_layout(cfg.model, cfg.parallel, world, check_this_machine=False)
+    check_runnable(cfg, layout)
     counts = count_parameters(cfg.model)
     mem = memory_per_gpu(cfg, world)
     lines = [
-        f"cluster: {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s) = {world} ranks",
+        f"cluster: {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s) = {world} ranks, "
+        f"{cfg.cluster.gpu_memory_gib:g} GiB each, transformer_engine={cfg.cluster.transformer_engine}",
         f"layout: TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep} ETP={layout.etp} DP={layout.dp} "
         f"expert-DP={layout.expert_dp} sequence_parallel={cfg.parallel.sequence_parallel} "
         f"distributed_optimizer={cfg.parallel.use_distributed_optimizer}",
         f"model: {counts.total / 1e9:.2f}B parameters ({counts.expert / 1e9:.2f}B in routed experts), "
-        f"precision={cfg.model.precision}, fp8={cfg.model.fp8.format or 'off'}",
-        f"memory per GPU (weights + grads + optimizer, no activations): {mem['total_gib']:.1f} GiB "
+        f"precision={cfg.model.precision}, fp8={cfg.model.fp8.format or 'off'}, recompute={cfg.model.recompute}",
+        f"memory per GPU (weights + grads + optimizer): {mem['total_gib']:.1f} GiB "
         f"= {mem['weights_gib']:.1f} + {mem['grads_gib']:.1f} + {mem['optimizer_gib']:.1f} "
         f"of {cfg.cluster.gpu_memory_gib:.0f} GiB",
         "stages:",
     ]
-    for stage_cfg in cfg.stages:
-        s = resolve_stage(cfg, stage_cfg)
+    stages = [resolve_stage(cfg, stage_cfg) for stage_cfg in cfg.stages]
+    for s in stages:
         teachers = f" teachers={s.teachers}" if s.teachers else ""
         lines.append(
             f"  {s.name:<14} {s.type:<5} steps={s.steps:<4} batch={s.prompts_per_step}x{s.samples_per_prompt} "
             f"max_new_tokens={s.rollout.max_new_tokens} lr={s.optimizer.lr:g} kl={s.loss.kl_coef:g} "
             f"domains={s.domains}{teachers}")
-    if mem["total_gib"] > cfg.cluster.gpu_memory_gib:
-        lines.append(f"WARNING: {mem['total_gib']:.1f} GiB per GPU exceeds cluster.gpu_memory_gib")
-    return "\n".join(lines)
+    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max(generation, training)):")
+    warnings = []
+    for s in stages:
+        plan = stage_memory(cfg, layout, s)
+        lines.append(_memory_line(s.name, plan, s, cfg))
+        if plan.peak > cfg.cluster.gpu_memory_gib:
+            warnings.append(f"WARNING: stage {s.name}: {plan.peak:.1f} GiB per GPU exceeds cluster.gpu_memory_gib="
+                            f"{cfg.cluster.gpu_memory_gib:g}")
+    return "\n".join(lines + warnings)

@@ -100,6 +100,10 @@ class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
+    # Whether the cluster's Python has Transformer Engine (pip install .[gpu]). The dry run then plans
+    # the TE layer spec (fused attention keeps no [s x s] scores; FP8 allowed); false: the local spec,
+    # whose attention materialises the scores, and FP8 refused.
+    transformer_engine: bool = True
 
 
 @dataclass
