@@ -3,6 +3,8 @@
 Each tensor is the region of its checkpoint key at the global offset Megatron gives it (its layer,
 and expert, index on the stacked axes); a small DCP load planner reads exactly that region from
 whatever chunks the checkpoint holds (any TP/PP/EP layout it was saved at). No model is built.
+Keys are canonical (``model.spec_layout``); a checkpoint written with the local spec's names by an
+earlier version is read under those.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from megatron_cascade.convert.dist_writer import METADATA_FILE, Placement, placement_of
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
+from megatron_cascade.model.spec_layout import legacy_key
 
 
 def read_dist_metadata(ckpt_dir: str):
@@ -59,8 +62,16 @@ class DistCheckpointReader:
         self.ckpt_dir = ckpt_dir
         self.skeleton = skeleton
         self.metadata = read_dist_metadata(ckpt_dir).state_dict_metadata
-        self.placements = {name: placement_of(entry) for name, entry in skeleton.tensors.items()}
+        self.placements = {name: self._stored_placement(placement_of(entry))
+                           for name, entry in skeleton.tensors.items()}
         self._check_keys()
+
+    def _stored_placement(self, place: Placement) -> Placement:
+        """``place``, under its legacy local-spec key if the checkpoint holds that instead of the canonical one."""
+        old = legacy_key(place.key)
+        if place.key not in self.metadata and old is not None and old in self.metadata:
+            return replace(place, key=old)
+        return place
 
     def _check_keys(self) -> None:
         for place in self.placements.values():

@@ -3,6 +3,8 @@
 Conversion never materialises a model: it builds the ``GPTModel`` on the ``meta`` device (no
 memory) only to get its ``sharded_state_dict``, i.e. the exact checkpoint keys, global shapes and
 offsets Megatron uses at any layout, then fills those entries with real tensors a layer at a time.
+Checkpoint keys are the canonical (Transformer Engine spec) ones of ``model.spec_layout``, whichever
+spec builds the skeleton, so converted checkpoints load into the TE model on GPU.
 """
 
 from __future__ import annotations
@@ -100,14 +102,18 @@ def layer_of(name: str) -> int | None:
 
 
 def build_skeleton(model: ModelConfig, prefix: str = "") -> Skeleton:
-    """The checkpoint structure of ``model`` (inside ``megatron_runtime``); keys get ``prefix`` prepended."""
+    """The checkpoint structure of ``model`` (inside ``megatron_runtime``); keys get ``prefix`` prepended.
+
+    Checkpoint keys are canonical (``model.spec_layout``).
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_cascade.model import build_gpt_model
+    from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
 
     with torch.device("meta"):
         gpt = build_gpt_model(model, ParallelConfig())
-    entries = gpt.sharded_state_dict(prefix=prefix)
+    entries = canonical_sharded_state_dict(gpt.sharded_state_dict(prefix=prefix))
     strip = len(prefix)
     tensors = {k[strip:]: v for k, v in entries.items() if not isinstance(v, ShardedObject)}
     objects = {k[strip:]: v for k, v in entries.items() if isinstance(v, ShardedObject)}

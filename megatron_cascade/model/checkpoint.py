@@ -1,9 +1,12 @@
 """Model weights as Megatron distributed checkpoints (``torch_dist``), loadable at any TP/PP/EP layout.
 
 A weights directory holds the ``dist_checkpointing`` files plus ``model_config.json``: the
-architecture it was made from. Loading into a model of another architecture fails before any tensor
-is read, naming the fields that differ; a checkpoint missing tensors the model needs fails too (no
-silent partial loads).
+architecture it was made from. Tensors are stored under the canonical (Transformer Engine spec) keys
+of ``spec_layout``, so weights saved from the local spec on CPU load into the TE spec on GPU and back.
+Loading into a model of another architecture fails before any tensor is read, naming the fields that
+differ; a checkpoint that lacks a tensor the model needs, holds one at another shape, or holds one the
+model does not have fails too, naming the tensors (no silent partial loads). Only ``_extra_state``
+objects (TE FP8 metadata, no weights) may be absent or unknown.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_cascade.config.model import ModelConfig
+from megatron_cascade.model.spec_layout import canonical_sharded_state_dict, is_extra_state, resolve_legacy_keys
 
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -106,7 +110,7 @@ def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
 
     _signal_safe_writer_queue()
     os.makedirs(ckpt_dir, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    dist_checkpointing.save(canonical_sharded_state_dict(model.sharded_state_dict()), ckpt_dir)
     if _rank() == 0:
         with open(os.path.join(ckpt_dir, MODEL_CONFIG_FILE), "w") as f:
             json.dump({"architecture": architecture_of(model_config), "config": asdict(model_config)}, f, indent=2)
@@ -116,7 +120,9 @@ def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
 def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: ModelConfig) -> None:
     """Load ``ckpt_dir`` into ``model`` at whatever layout the model has; collective over all ranks.
 
-    Raises ``CheckpointError`` for another architecture, a missing directory or missing tensors.
+    Reads canonical (TE) or legacy local-spec keys, whichever the checkpoint holds. Raises
+    ``CheckpointError`` (on every rank) for another architecture, a missing directory, or tensors
+    missing, of another shape or unknown to the model.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -124,8 +130,16 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
     check_architecture(ckpt_dir, model_config)
+    stored = _stored_metadata(ckpt_dir)
+    tensors = {v.key: tuple(v.global_shape) for v in stored.values() if not _is_object(v)}
+    request = resolve_legacy_keys(canonical_sharded_state_dict(model.sharded_state_dict()), set(tensors))
+    # _extra_state the checkpoint lacks (local-spec or converted checkpoints into TE): keep the module's own.
+    request = {k: v for k, v in request.items() if not (_is_object(v) and is_extra_state(v.key)
+                                                         and v.unique_key not in stored)}
+    _check_tensors(request, tensors, ckpt_dir)
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir, strict=StrictHandling.RAISE_ALL)
+        # Mismatches were checked above; unread checkpoint _extra_state (TE norms into the local spec) is fine.
+        state = dist_checkpointing.load(request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
@@ -134,6 +148,73 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
     missing = _missing_after_load(model, state)
     if missing:
         raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensors the model needs: {missing[:5]}")
+
+
+def _stored_metadata(ckpt_dir: str) -> dict[str, Any]:
+    """{tensor key or object unique key: metadata entry} of a distributed checkpoint (no data is read)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    try:
+        return load_sharded_metadata(ckpt_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable checkpoint
+        raise CheckpointError(f"{ckpt_dir} is not a readable distributed checkpoint: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+
+def _is_object(entry: Any) -> bool:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return isinstance(entry, ShardedObject)
+
+
+def _requested_shapes(request: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{checkpoint key: global shape} of the tensors in a sharded state dict (factories built)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    shapes = {}
+    for entry in request.values():
+        if _is_object(entry):
+            continue
+        parts = [entry]
+        if isinstance(entry, ShardedTensorFactory):
+            built = entry.build()
+            parts = list(built.values()) if isinstance(built, dict) else list(built)
+        for part in parts:
+            shapes[part.key] = tuple(part.global_shape)
+    return shapes
+
+
+def _check_tensors(request: dict[str, Any], stored: dict[str, tuple[int, ...]], ckpt_dir: str) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank's tensors and the checkpoint's differ.
+
+    ``stored``: {key: global shape} of the checkpoint's tensors. A key the checkpoint holds that no
+    rank asks for is "unknown to the model" (pipeline stages each ask for their own layers).
+    """
+    wanted = _requested_shapes(request)
+    missing = sorted(k for k in wanted if k not in stored)
+    reshaped = sorted(f"{k} (checkpoint {list(stored[k])}, model {list(s)})"
+                      for k, s in wanted.items() if k in stored and stored[k] != s)
+    ranks = _gather((missing, reshaped, sorted(wanted)))
+    missing = sorted({k for r in ranks for k in r[0]})
+    reshaped = sorted({k for r in ranks for k in r[1]})
+    unknown = sorted(set(stored) - {k for r in ranks for k in r[2]})
+    problems = [f"{what} ({len(keys)}): {keys[:6]}{' ...' if len(keys) > 6 else ''}"
+                for what, keys in (("tensors the model needs that the checkpoint lacks", missing),
+                                   ("tensors of another shape", reshaped),
+                                   ("tensors the model does not have", unknown)) if keys]
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not match the model: " + "; ".join(problems)
+                              + ". It was saved from another model (or is incomplete): convert it or fix the "
+                              "model section of the config.")
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank (just ``[obj]`` without torch.distributed)."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def _missing_after_load(model: torch.nn.Module, state: dict) -> list[str]:
