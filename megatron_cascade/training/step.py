@@ -127,19 +127,19 @@ def apply_gradients(policy: Policy, training: TrainingConfig, *, empty: bool = F
     Returns ``grad_norm``, ``lr``, ``skipped`` (0 or 1) and, with fp16, ``loss_scale``.
     """
     scaled = _has_grad_scaler(policy)
-    check_here = training.skip_nonfinite_steps and not scaled
-    if empty or (check_here and not _grads_are_finite(policy)):
+    if empty or (training.skip_nonfinite_steps and not scaled and not _grads_are_finite(policy)):
         log.warning("skipping optimizer step: %s", "no valid token in the batch" if empty else "non-finite gradients")
         _zero_grads(policy)
-        return {"grad_norm": float("nan") if not empty else 0.0, "skipped": 1.0, "lr": _current_lr(policy)}
-    ok, grad_norm, _ = policy.optimizer.step()
-    if ok:
-        policy.scheduler.step(increment=1)
+        out = {"grad_norm": float("nan") if not empty else 0.0, "skipped": 1.0}
     else:
-        log.warning("optimizer skipped the step: non-finite gradients (fp16 loss scale now %g)",
-                    float(policy.optimizer.get_loss_scale()))
-    out = {"grad_norm": float(grad_norm) if ok and grad_norm is not None else (0.0 if ok else float("nan")),
-           "skipped": 0.0 if ok else 1.0, "lr": _current_lr(policy)}
+        ok, grad_norm, _ = policy.optimizer.step()
+        if ok:
+            policy.scheduler.step(increment=1)
+        else:
+            log.warning("optimizer skipped the step: non-finite gradients (fp16 loss scale now %g)",
+                        float(policy.optimizer.get_loss_scale()))
+        out = {"grad_norm": float(grad_norm or 0.0) if ok else float("nan"), "skipped": 0.0 if ok else 1.0}
+    out["lr"] = _current_lr(policy)
     if scaled:
         out["loss_scale"] = float(policy.optimizer.get_loss_scale())
     return out
