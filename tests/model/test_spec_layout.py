@@ -177,18 +177,58 @@ def _strict_cases(model, cfg: ModelConfig, base: str) -> dict:
     reshaped["decoder.final_layernorm.weight"] = ShardedTensor.from_rank_offsets(
         "decoder.final_layernorm.weight", torch.ones(cfg.hidden_size + 8), replica_id=0)
     no_extra_state = {k: v for k, v in state().items() if not isinstance(v, ShardedObject)}
+    no_output = state()
+    no_output.pop("output_layer.weight")  # read only by the last pipeline stage (see the two-rank test)
     for case, sd in (("missing", missing), ("added", added), ("reshaped", reshaped),
-                     ("no_extra_state", no_extra_state)):
+                     ("no_extra_state", no_extra_state), ("no_output", no_output)):
         _save_raw(sd, f"{base}/strict_{case}", cfg)
         cases[case] = _load_error(_fresh_model(cfg), f"{base}/strict_{case}", cfg)
     return cases
 
 
+def parallel_worker(tmp: str, fixture: dict) -> dict:
+    """World size 2: the TE-named checkpoints at TP=2 (dense) / EP=2 (MoE) save back bit-identical;
+    a checkpoint lacking a tensor only the last pipeline stage reads fails on both PP=2 ranks."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_cascade.config import ParallelConfig
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
+    from megatron_cascade.model import save_model_weights
+
+    out = {}
+    layouts = {"dense": ParallelConfig(tensor_model_parallel_size=2), "moe": ParallelConfig(expert_model_parallel_size=2)}
+    for kind, spec in fixture.items():
+        cfg, base = _model_config(spec["config"]), os.path.join(tmp, kind)
+        initialize_model_parallel(layouts[kind], seed=3)
+        model = build_gpt_model(cfg, layouts[kind])
+        load_model_weights(model, f"{base}/te", cfg)
+        save_model_weights(model, f"{base}/te_parallel", cfg)
+        parallel_state.destroy_model_parallel()
+        written = dist_checkpointing.load_plain_tensors(f"{base}/te")
+        resaved = dist_checkpointing.load_plain_tensors(f"{base}/te_parallel")
+        out[f"{kind}_diff"] = sorted(k for k in spec["tensors"] if not torch.equal(written[k], resaved.get(k)))
+    cfg, pp2 = _model_config(fixture["dense"]["config"]), ParallelConfig(pipeline_model_parallel_size=2)
+    initialize_model_parallel(pp2, seed=3)
+    out["pp2_error"] = _load_error(build_gpt_model(cfg, pp2), os.path.join(tmp, "dense", "strict_no_output"), cfg)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
 # ---- tests ----
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_distributed(spec_layout_worker, 1, str(tmp_path_factory.mktemp("spec")), _fixture(), timeout_s=300)[0]
+def spec_tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def results(spec_tmp):
+    return run_distributed(spec_layout_worker, 1, spec_tmp, _fixture(), timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def parallel_results(spec_tmp, results):
+    return run_distributed(parallel_worker, 2, spec_tmp, _fixture(), timeout_s=300)
 
 
 KINDS = ("dense", "moe")
@@ -236,6 +276,19 @@ def test_strict_load_names_the_mismatching_tensor(results, kind):
     assert "does not have" in errors["added"] and "decoder.layers.self_attention.linear_extra.weight" in errors["added"]
     assert "another shape" in errors["reshaped"] and "decoder.final_layernorm.weight" in errors["reshaped"]
     assert errors["no_extra_state"] is None  # _extra_state carries no weights: absent is fine
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_te_named_checkpoint_round_trips_at_tp2_or_ep2(parallel_results, kind):
+    for rank in parallel_results:
+        assert rank[f"{kind}_diff"] == []
+
+
+def test_tensor_missing_on_one_pipeline_stage_fails_on_every_rank(results, parallel_results):
+    """Only the last stage reads output_layer.weight; both ranks raise the same error (none waits in a collective)."""
+    assert "output_layer.weight" in results["dense"]["errors"]["no_output"]
+    errors = [rank["pp2_error"] for rank in parallel_results]
+    assert errors[0] is not None and errors[0] == errors[1] and "output_layer.weight" in errors[0]
 
 
 def test_legacy_key_maps_only_the_separate_pre_mlp_norm():
