@@ -19,8 +19,15 @@ class MoEConfig:
     ffn_hidden_size: Optional[int] = None  # per-expert FFN width; null = model.ffn_hidden_size
     shared_expert_intermediate_size: Optional[int] = None  # null = no shared expert
     router_pre_softmax: bool = False  # False: softmax over the top-k (normalised top-k probs)
-    router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    # Load-balancing loss, weighted like the policy loss (model/moe_aux_loss.py): aux_loss (per
+    # micro-batch) | seq_aux_loss (per sequence: exact for any batch split) | none (NeMo-RL's GRPO default).
+    router_load_balancing_type: str = "aux_loss"
     aux_loss_coeff: float = 0.0
+    router_score_function: str = "softmax"  # softmax | sigmoid
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias moved by router_bias_update_rate
+    # towards equal load after every step, from token counts over the whole global batch. Needs sigmoid.
+    router_enable_expert_bias: bool = False
+    router_bias_update_rate: float = 1.0e-3
     token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex
     grouped_gemm: bool = False  # GPU (TE) only
     layer_freq: int = 1  # every k-th layer is MoE

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.model.cpu_spec import local_decoder_block_spec
+from megatron_cascade.model.moe_aux_loss import with_global_normalized_routers
 from megatron_cascade.model.parallel import transformer_engine_available
 
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,11 +45,62 @@ def validate_model_config(model: ModelConfig) -> None:
                 f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts={moe.num_experts}]"
             )
         _check_choice("model.moe.token_dispatcher_type", moe.token_dispatcher_type, ("alltoall", "allgather", "flex"))
-        _check_choice("model.moe.router_load_balancing_type", moe.router_load_balancing_type,
-                      ("aux_loss", "seq_aux_loss", "none"))
+        _validate_router(model)
     if model.vocab_size < 1 or model.make_vocab_size_divisible_by < 1:
         raise ConfigError("model.vocab_size and model.make_vocab_size_divisible_by must be >= 1")
     _validate_fp8(model)
+
+
+def _validate_router(model: ModelConfig) -> None:
+    moe = model.moe
+    _check_choice("model.moe.router_load_balancing_type", moe.router_load_balancing_type,
+                  ("aux_loss", "seq_aux_loss", "none"))
+    _check_choice("model.moe.router_score_function", moe.router_score_function, ("softmax", "sigmoid"))
+    if moe.aux_loss_coeff < 0 or moe.router_bias_update_rate < 0:
+        raise ConfigError("model.moe.aux_loss_coeff and model.moe.router_bias_update_rate must be >= 0")
+    if moe.router_enable_expert_bias and moe.router_score_function != "sigmoid":
+        raise ConfigError("model.moe.router_enable_expert_bias needs model.moe.router_score_function=sigmoid "
+                          "(Megatron-Core's aux-loss-free balancing)")
+    if has_aux_loss(model) and model.recompute == "full":
+        # The recomputed router forward runs in the backward pass, after the training step's
+        # per-sequence aux-loss weights (model/moe_aux_loss.py) are gone.
+        raise ConfigError("model.recompute=full cannot be combined with an MoE load-balancing loss "
+                          "(model.moe.router_load_balancing_type / aux_loss_coeff): use recompute=selective "
+                          "or router_load_balancing_type=none")
+
+
+def has_aux_loss(model: ModelConfig) -> bool:
+    """Whether the MoE routers of ``model`` add a load-balancing loss in training."""
+    moe = model.moe
+    return moe.num_experts is not None and moe.router_load_balancing_type != "none" and moe.aux_loss_coeff > 0
+
+
+def sequence_length_multiple(*, tensor_parallel: int, sequence_parallel: bool, context_parallel: int,
+                             fp8: bool) -> int:
+    """The multiple every training sequence length is padded to (tokens), the one rule for it.
+
+    Sequence parallel splits the sequence over the TP ranks; context parallel splits it into 2 x CP
+    chunks (each rank takes two, for causal load balance); FP8 GEMMs need multiples of 16 rows, asked
+    here of every rank's shard (x16 on top of the split), which also makes the whole length one.
+    """
+    multiple = tensor_parallel if sequence_parallel else 1
+    if context_parallel > 1:
+        multiple *= 2 * context_parallel
+    return multiple * 16 if fp8 else multiple
+
+
+def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    if model.moe.num_experts is not None and parallel.expert_model_parallel_size == 1 \
+            and etp != parallel.tensor_model_parallel_size:
+        # Megatron-Core 0.16.1 marks expert weights as dense (reduced over the dense data-parallel
+        # group) when EP=1, but with ETP < TP they are replicated over TP ranks that see different
+        # tokens: their gradients would silently miss the other ranks' share (measured).
+        raise ConfigError(
+            f"parallel.expert_tensor_parallel_size={etp} differs from parallel.tensor_model_parallel_size="
+            f"{parallel.tensor_model_parallel_size} with parallel.expert_model_parallel_size=1: set "
+            "expert_model_parallel_size > 1 or expert_tensor_parallel_size = tensor_model_parallel_size"
+        )
 
 
 def _validate_fp8(model: ModelConfig) -> None:
@@ -80,6 +133,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     from megatron.core.transformer import TransformerConfig
 
     validate_model_config(model)
+    _validate_expert_layout(model, parallel)
     dtype = params_dtype(model)
     use_cpu = not torch.cuda.is_available()
     moe = model.moe
@@ -140,6 +194,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
             moe_token_dispatcher_type=moe.token_dispatcher_type,
             moe_grouped_gemm=moe.grouped_gemm,
             moe_layer_freq=moe.layer_freq,
+            moe_router_score_function=moe.router_score_function,
+            moe_router_enable_expert_bias=moe.router_enable_expert_bias,
+            moe_router_bias_update_rate=moe.router_bias_update_rate,
             moe_router_dtype="fp32",
         )
     if model.fp8.format is not None:
@@ -159,19 +216,29 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         raise ConfigError(f"Megatron-Core rejected the model config: {exc}") from exc
 
 
+def decoder_block_spec(config, normalization: str):
+    """This pipeline stage's decoder block spec: Transformer Engine's when TE and CUDA are there, else
+    the local spec with sequence-parallel-capable norms (``model/cpu_spec.py``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if transformer_engine_available():
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=normalization)
+    return local_decoder_block_spec(config, normalization)
+
+
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
     """A ``GPTModel`` for this rank's pipeline stage (Megatron parallel state must be initialised).
 
-    Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise.
+    Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise;
+    MoE layers get routers whose load-balancing loss follows the global normaliser
+    (``model/moe_aux_loss.py``).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP].
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = transformer_config(model, parallel)
-    use_te = transformer_engine_available()
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=model.normalization)
+    spec = with_global_normalized_routers(decoder_block_spec(config, model.normalization))
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,

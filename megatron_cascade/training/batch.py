@@ -24,6 +24,9 @@ class TrainBatch:
         teacher_logprobs: [B, S] log-probs of the targets under the MOPD teacher.
         old_logprobs: [B, S] log-probs under the policy that sampled (PPO epochs > 1).
         ref_logprobs: [B, S] log-probs under the KL reference.
+        padding_mask: [B, S] bool, True where the position holds no token of the sequence (right
+            padding, or positions added to fit the parallel layout). MoE routers leave these out of
+            their load-balancing statistics and expert-bias counts; None = every position is a token.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +37,7 @@ class TrainBatch:
     teacher_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    padding_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -64,11 +68,33 @@ class TrainBatch:
         return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
 
     def padded_to_multiple(self, multiple: int) -> "TrainBatch":
-        """Append fully masked rows so that the batch size is a multiple of ``multiple``."""
+        """Append fully masked rows (no loss token, all padding) so that the batch size is a multiple
+        of ``multiple``."""
         extra = -self.size % multiple
         if extra == 0:
             return self
-        return replace(self, **{f.name: _pad_rows(getattr(self, f.name), extra) for f in fields(self)})
+        batch = self.with_padding_mask()
+        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=0) for f in fields(batch)})
+
+    def padded_sequences_to_multiple(self, multiple: int) -> "TrainBatch":
+        """Append padding positions (loss mask 0, ``padding_mask`` True) so that the sequence length is
+        a multiple of ``multiple`` (``model.builder.sequence_length_multiple``: SP / CP / FP8 layouts).
+
+        Sequences are right-padded and attention is causal, so no real position sees the new ones:
+        the loss and its gradient are unchanged.
+        """
+        extra = -self.seq_length % multiple
+        if extra == 0:
+            return self
+        batch = self.with_padding_mask()
+        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=1) for f in fields(batch)})
+
+    def with_padding_mask(self) -> "TrainBatch":
+        """The batch with ``padding_mask`` materialised (all False when it was None)."""
+        if self.padding_mask is not None:
+            return self
+        return replace(self, padding_mask=torch.zeros(self.input_ids.shape, dtype=torch.bool,
+                                                      device=self.input_ids.device))
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         """Consecutive micro-batches of ``micro_batch_size`` rows (the batch must divide evenly)."""
@@ -86,8 +112,13 @@ def _move(value: Optional[torch.Tensor], device: torch.device) -> Optional[torch
     return None if value is None else value.to(device, non_blocking=True)
 
 
-def _pad_rows(value: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
-    if value is None:
-        return None
-    pad = torch.zeros((extra, *value.shape[1:]), dtype=value.dtype, device=value.device)
-    return torch.cat([value, pad])
+def _pad(batch: TrainBatch, name: str, extra: int, dim: int) -> Optional[torch.Tensor]:
+    """Field ``name`` with ``extra`` entries appended along ``dim`` (0 rows, 1 positions): zeros, and
+    True in ``padding_mask``. [B] fields (advantages) have no position dimension to pad."""
+    value = getattr(batch, name)
+    if value is None or dim >= value.dim():
+        return value
+    shape = list(value.shape)
+    shape[dim] = extra
+    fill = True if name == "padding_mask" else 0
+    return torch.cat([value, torch.full(shape, fill, dtype=value.dtype, device=value.device)], dim=dim)

@@ -7,6 +7,11 @@ Normalisation (why the losses are exact under any batch split):
     ``config.calculate_per_token_loss = True`` (the schedule then neither divides the loss nor DDP the
     gradients) and a ``finalize_model_grads_func`` that passes no token count. The gradient is then
     the sum over micro-batches and replicas of (partial sum / N): the gradient of the global loss.
+    MoE load-balancing losses are weighted per sequence with the same N (``aux_loss_row_weights``,
+    ``model/moe_aux_loss.py``).
+
+Sequence padding: each micro-batch is padded to ``model.builder.sequence_length_multiple`` of the
+model's layout (SP / CP / FP8) here, outside the loss (loss mask 0, ``padding_mask`` True).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 
 from megatron_cascade.algorithms import grpo_loss, mopd_loss, sft_loss
 from megatron_cascade.config.training import LossConfig
+from megatron_cascade.model.builder import sequence_length_multiple
+from megatron_cascade.model.moe_aux_loss import aux_loss_weights
 from megatron_cascade.ops import vocab_parallel_logprobs
 from megatron_cascade.training.batch import TrainBatch
 
@@ -95,6 +102,15 @@ def compute_loss(spec: LossSpec, logprobs: torch.Tensor, micro: TrainBatch, norm
     )
 
 
+def aux_loss_row_weights(spec: LossSpec, micro: TrainBatch, normalizer: torch.Tensor) -> torch.Tensor:
+    """[b] float32 weight of each sequence's MoE load-balancing loss: its share of the global
+    normaliser N (loss tokens / N; MOPD "sequence": 1[any loss token] / N), so that the aux loss is
+    averaged exactly like the policy loss (``model/moe_aux_loss.py``)."""
+    mask = micro.loss_mask.bool()
+    counts = mask.any(dim=-1) if spec.counts_sequences else mask.sum(dim=-1)
+    return (counts.to(torch.float64) / normalizer.to(counts.device).clamp(min=1)).to(torch.float32)
+
+
 def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     """[B, S] positions 0..S-1 (sequences are left-aligned, right-padded)."""
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
@@ -102,6 +118,41 @@ def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _prepared(micro: TrainBatch, model: torch.nn.Module) -> TrainBatch:
+    """The micro-batch on the model's device, its sequences padded for the model's parallel layout."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    multiple = sequence_length_multiple(
+        tensor_parallel=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
+        context_parallel=config.context_parallel_size, fp8=bool(config.fp8),
+    )
+    return micro.to(_device_of(model)).padded_sequences_to_multiple(multiple)
+
+
+def _run_model(model: torch.nn.Module, micro: TrainBatch) -> torch.Tensor:
+    """[S, b, V/TP] logits (last stage; hidden states before) of ``micro``; MoE layers get its padding mask."""
+    from megatron.core.utils import get_model_config
+
+    kwargs = {}
+    config = get_model_config(model)
+    if config.num_moe_experts and micro.padding_mask is not None:
+        kwargs["padding_mask"] = _stage_padding_mask(micro.padding_mask, config)
+    return model(micro.input_ids, position_ids(micro.input_ids), None, **kwargs)
+
+
+def _stage_padding_mask(padding_mask: torch.Tensor, config) -> torch.Tensor:
+    """[b, S] mask as this pipeline stage's GPTModel takes it. The first stage scatters it over the
+    sequence-parallel ranks itself; later stages receive SP-split hidden states but would get the
+    mask whole (megatron-core 0.16.1 scatters only where it embeds), so they get this rank's slice."""
+    from megatron.core import parallel_state as ps
+
+    if not config.sequence_parallel or ps.is_pipeline_first_stage(ignore_virtual=True):
+        return padding_mask
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return padding_mask.chunk(tp, dim=1)[rank].contiguous()
 
 
 def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Callable:
@@ -112,8 +163,9 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
     """
 
     def forward_step(data_iterator, model):
-        micro: TrainBatch = next(data_iterator).to(_device_of(model))
-        logits = model(micro.input_ids, position_ids(micro.input_ids), None)
+        micro = _prepared(next(data_iterator), model)
+        with aux_loss_weights(aux_loss_row_weights(spec, micro, normalizer)):
+            logits = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
             logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
@@ -133,12 +185,13 @@ def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
     """A forward-only ``forward_step_func`` that appends each micro-batch's [b, S] log-probs to ``sink``."""
 
     def forward_step(data_iterator, model):
-        micro: TrainBatch = next(data_iterator).to(_device_of(model))
-        logits = model(micro.input_ids, position_ids(micro.input_ids), None)
+        original = next(data_iterator)
+        micro = _prepared(original, model)
+        logits = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
             logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
-            sink.append(logprobs.detach().cpu())
+            sink.append(logprobs[:, : original.seq_length].detach().cpu())
             return torch.zeros((), device=output.device), {}
 
         return logits, loss_func

@@ -1,10 +1,17 @@
 """The gradient of one global batch does not depend on how the batch is split.
 
-One global batch of 8 sequences with very different lengths (1 to 20 valid response tokens), with
-GRPO (advantages, sampler log-probs for the IS correction, a KL reference) and MOPD (teacher
-log-probs, sequence normalisation). Reference: one process, one micro-batch. Then 4 micro-batches,
-DP=2, TP=2 and PP=2 (each with 2 micro-batches per rank). Gradients are compared whole (through a
-distributed checkpoint re-assembled at TP=1) to 1e-6 in fp32.
+One global batch of 8 sequences of 23 positions with very different lengths (1 to 20 valid response
+tokens), with GRPO (advantages, sampler log-probs for the IS correction, a KL reference) and MOPD
+(teacher log-probs, sequence normalisation). Reference: one process, one micro-batch. Then 4
+micro-batches, DP=2, TP=2, TP=2 + sequence parallel (23 positions: padded to 24 for SP) and PP=2 (each
+with 2 micro-batches per rank). Gradients are compared whole (through a distributed checkpoint
+re-assembled at TP=1) to 1e-6 in fp32.
+
+The MoE model (4 experts, top-2, sigmoid scores with expert bias, a per-sequence load-balancing loss
+with a large coefficient so that it moves the gradients) runs GRPO at TP=2 + SP (expert TP 2, and
+expert TP 1), and EP=2 x DP=2; its reference is one process, one micro-batch. Loss, gradients (the
+aux loss included) and the expert biases after the step (updated from the global token counts) equal
+the reference.
 """
 
 from dataclasses import replace
@@ -12,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_cascade.config import ModelConfig, ParallelConfig
+from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.testing.checkpoints import full_state_dict, save_gradients_as_checkpoint
@@ -21,7 +28,11 @@ pytestmark = pytest.mark.distributed
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100,
                     ffn_hidden_size=64)
-BATCH, SEQ, VOCAB = 8, 24, 100
+MOE = replace(MODEL, moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32, token_dispatcher_type="alltoall",
+                                   router_load_balancing_type="seq_aux_loss", aux_loss_coeff=0.5,
+                                   router_score_function="sigmoid", router_enable_expert_bias=True,
+                                   router_bias_update_rate=0.01))
+BATCH, SEQ, VOCAB = 8, 23, 100
 
 
 def _global_batch():
@@ -41,7 +52,11 @@ def _global_batch():
     )
 
 
-def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, init):
+def _expert_biases(module) -> list:
+    return [m.expert_bias.detach().clone() for m in module.modules() if getattr(m, "expert_bias", None) is not None]
+
+
+def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, init, model=MODEL):
     from megatron.core import parallel_state as ps
 
     from megatron_cascade.model import initialize_model_parallel, load_model_weights, save_model_weights
@@ -49,19 +64,20 @@ def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, i
     from megatron_cascade.training.step import compute_gradients
 
     initialize_model_parallel(parallel, seed=11)
-    policy = build_policy(MODEL, parallel, OptimizerConfig(lr=1e-3), total_steps=10)
+    policy = build_policy(model, parallel, OptimizerConfig(lr=1e-3), total_steps=10)
     if init:
-        save_model_weights(policy.module, weights_dir, MODEL)
+        save_model_weights(policy.module, weights_dir, model)
     else:
-        load_model_weights(policy.module, weights_dir, MODEL)
+        load_model_weights(policy.module, weights_dir, model)
     batch = _global_batch()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
     loss = LossConfig(kl_coef=0.1, importance_correction="icepop", is_low=0.05, is_high=50.0)
     spec = LossSpec(kind, loss, temperature=0.7, vocab_size=VOCAB)
     metrics = compute_gradients(policy, share, spec, TrainingConfig(micro_batch_size=micro_batch_size))
-    save_gradients_as_checkpoint(policy.module, grads_dir, MODEL)
-    return metrics, full_state_dict(MODEL, grads_dir)
+    metrics["expert_biases"] = _expert_biases(policy.module)  # updated by finalize_model_grads
+    save_gradients_as_checkpoint(policy.module, grads_dir, model)
+    return metrics, full_state_dict(model, grads_dir)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +87,8 @@ def reference(tmp_path_factory):
     for kind in ("grpo", "mopd"):
         out[kind] = run_distributed(_gradient_worker, 1, ParallelConfig(), BATCH, kind, f"{tmp}/w",
                                     f"{tmp}/ref_{kind}", kind == "grpo")[0]
+    out["moe"] = run_distributed(_gradient_worker, 1, ParallelConfig(), BATCH, "grpo", f"{tmp}/w_moe",
+                                 f"{tmp}/ref_moe", True, MOE)[0]
     return out
 
 
@@ -78,6 +96,7 @@ SPLITS = [
     ("4-microbatches", 1, ParallelConfig(), 2),
     ("dp2", 2, ParallelConfig(), 2),
     ("tp2", 2, ParallelConfig(tensor_model_parallel_size=2), 4),
+    ("tp2-sp", 2, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4),
     ("pp2", 2, ParallelConfig(pipeline_model_parallel_size=2), 2),
 ]
 
@@ -88,7 +107,31 @@ def test_gradient_is_invariant_to_the_split(reference, kind, name, world, parall
     ref_metrics, ref_grads = reference[kind]
     tmp = reference["tmp"]
     results = run_distributed(_gradient_worker, world, parallel, mbs, kind, f"{tmp}/w", f"{tmp}/{name}_{kind}", False)
-    metrics, grads = results[0]
+    _assert_same(results[0], (ref_metrics, ref_grads))
+
+
+MOE_SPLITS = [
+    ("moe-tp2-sp", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4),
+    ("moe-tp2-sp-ep2-etp1", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           expert_model_parallel_size=2, expert_tensor_parallel_size=1), 4),
+    ("moe-ep2-dp2", ParallelConfig(expert_model_parallel_size=2), 2),
+]
+
+
+@pytest.mark.parametrize("name,parallel,mbs", MOE_SPLITS, ids=[s[0] for s in MOE_SPLITS])
+def test_moe_gradient_and_expert_bias_are_invariant_to_the_split(reference, name, parallel, mbs):
+    tmp = reference["tmp"]
+    results = run_distributed(_gradient_worker, 2, parallel, mbs, "grpo", f"{tmp}/w_moe", f"{tmp}/{name}", False, MOE)
+    _assert_same(results[0], reference["moe"])
+    ref_biases = reference["moe"][0]["expert_biases"]
+    assert len(ref_biases) == MOE.num_layers and all(b.abs().sum() > 0 for b in ref_biases)
+    for rank_metrics, _ in results:
+        for bias, ref in zip(rank_metrics["expert_biases"], ref_biases, strict=True):
+            torch.testing.assert_close(bias, ref, atol=0, rtol=0)
+
+
+def _assert_same(result, reference):
+    (metrics, grads), (ref_metrics, ref_grads) = result, reference
     assert abs(metrics["loss"] - ref_metrics["loss"]) < 1e-6
     assert metrics["tokens"] == ref_metrics["tokens"] == 66
     nonzero = 0
