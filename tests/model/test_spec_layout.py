@@ -63,22 +63,57 @@ def _save_raw(sharded_state_dict: dict, ckpt_dir: str, cfg: ModelConfig) -> None
     _write_model_config(ckpt_dir, cfg)
 
 
-def _te_named_state(spec: dict) -> dict:
+def _te_named_state(spec: dict, prefix: str = "") -> dict:
     """Whole tensors under the fixture's TE names (random, norms included) and TE's "no FP8" _extra_state.
 
-    TE serialises an ``_extra_state`` without FP8 metadata as an empty uint8 tensor (one per stacked index).
+    TE serialises an ``_extra_state`` without FP8 metadata as an empty uint8 tensor (one per stacked
+    index). Keys get ``prefix`` (NeMo 2: ``module.``); dict keys of objects carry their index after "/".
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     gen = torch.Generator().manual_seed(11)
     state = {}
     for key, shape in spec["tensors"].items():
+        key = prefix + key
         state[key] = ShardedTensor.from_rank_offsets(key, torch.randn(shape, generator=gen), replica_id=0)
     for key, shape in spec["extra_state"].items():
+        key = prefix + key
         for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
             state[f"{key}/{index}"] = ShardedObject(key, torch.empty(0, dtype=torch.uint8), tuple(shape),
                                                     tuple(index), replica_id=0)
     return state
+
+
+NEMO_MOE_YAML = """\
+config:
+  _target_: nemo.collections.llm.gpt.model.qwen3.Qwen3MoEConfig30B_A3B
+  num_layers: 2
+  hidden_size: 32
+  ffn_hidden_size: 48
+  num_attention_heads: 4
+  num_query_groups: 2
+  kv_channels: 8
+  vocab_size: 200
+  qk_layernorm: true
+  num_moe_experts: 4
+  moe_router_topk: 2
+  moe_ffn_hidden_size: 24
+"""
+
+
+def _import_te_named_nemo_moe(spec: dict, nemo_dir: str, out_dir: str) -> dict:
+    """A NeMo-2-style directory whose ``weights/`` hold TE names under ``module.``, imported; the import's tensors."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_cascade.convert import nemo2_to_megatron
+
+    os.makedirs(f"{nemo_dir}/weights")
+    os.makedirs(f"{nemo_dir}/context")
+    dist_checkpointing.save(_te_named_state(spec, prefix="module."), f"{nemo_dir}/weights")
+    with open(f"{nemo_dir}/context/model.yaml", "w") as f:
+        f.write(NEMO_MOE_YAML)
+    nemo2_to_megatron(nemo_dir, out_dir)
+    return dist_checkpointing.load_plain_tensors(out_dir)
 
 
 def _fresh_model(cfg: ModelConfig):
@@ -153,6 +188,11 @@ def spec_layout_worker(tmp: str, fixture: dict) -> dict:
             res["resharded_keys"] = _checkpoint_keys(f"{base}/resharded")[0]
             # 4. strict loading still catches real mismatches; missing _extra_state does not count
             res["errors"] = _strict_cases(model, cfg, base)
+            # 5. a NeMo 2 (GPU, TE spec) MoE checkpoint imports with its weights
+            if cfg.moe.num_experts:
+                imported = _import_te_named_nemo_moe(spec, f"{base}/nemo", f"{base}/nemo_imported")
+                res["nemo_import_diff"] = sorted(k for k in written if not torch.equal(written[k], imported.get(k)))
+                res["nemo_import_keys"] = sorted(imported)
             out[kind] = res
     return out
 
@@ -276,6 +316,12 @@ def test_strict_load_names_the_mismatching_tensor(results, kind):
     assert "does not have" in errors["added"] and "decoder.layers.self_attention.linear_extra.weight" in errors["added"]
     assert "another shape" in errors["reshaped"] and "decoder.final_layernorm.weight" in errors["reshaped"]
     assert errors["no_extra_state"] is None  # _extra_state carries no weights: absent is fine
+
+
+def test_te_named_nemo2_moe_checkpoint_imports_bit_identical(results):
+    """NeMo 2 / Megatron-LM GPU checkpoints are TE-named: the MoE pre_mlp_layernorm is read, not demanded as linear_fc1's."""
+    assert results["moe"]["nemo_import_diff"] == []
+    assert results["moe"]["nemo_import_keys"] == sorted(_fixture()["moe"]["tensors"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
