@@ -1,0 +1,344 @@
+"""GPU check for the day a GPU is lent: the GPU paths the CPU harness cannot run, on ONE GPU, in minutes.
+
+    python benchmarks/gpu_check.py [--json FILE] [--steps N] [--layers N --hidden N --seq N --batch N]
+    (or benchmarks/gpu_check.sh, which bounds it to 8 minutes)
+
+Checks, each printed as PASS / FAIL / SKIP with its figures:
+  cpu_checkpoint  a local-spec model written on CPU (a subprocess without CUDA, fp32) loads into the
+                  GPU model (Transformer Engine spec when TE imports, else the local spec): logits agree
+                  with the CPU model's at bf16 tolerance;
+  bf16_step       training steps after loading those weights: the fp32 masters were reloaded (weights
+                  after the steps stay near the loaded ones instead of snapping back to the build-time
+                  init); step time, tokens/s, peak memory;
+  fp8_step        the same with FP8 (hybrid, delayed scaling) — TE only, else SKIP;
+  generation      sampling with Megatron's static KV cache; new tokens/s.
+
+Nothing is installed: megatron-core and torch come from the Python running this, megatron_cascade from
+this working tree. Without a CUDA device it exits at once with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXIT_NO_GPU = 2
+# Adam moves each weight ~LR per step: a few steps change the ~0.02-sized weights by a few percent,
+# well inside bf16 resolution of the fp32 masters' updates and far from a restart.
+LR = 5e-5
+
+
+@dataclass
+class Result:
+    """Outcome of one check: status PASS / FAIL / SKIP, a one-line reason and its figures."""
+
+    name: str
+    status: str
+    detail: str = ""
+    figures: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        figs = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.figures.items())
+        return f"{self.status:<4} {self.name:<15} {self.detail} {figs}".rstrip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the results here (JSON)")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per precision")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=1024, help="training sequence length (tokens)")
+    parser.add_argument("--batch", type=int, default=8, help="training sequences per step")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample")
+    parser.add_argument("--write-cpu-checkpoint", metavar="DIR", help=argparse.SUPPRESS)  # the CPU subprocess
+    return parser
+
+
+def model_config(args: argparse.Namespace, precision: str):
+    from megatron_cascade.config.model import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                       num_query_groups=max(1, args.heads // 4), vocab_size=args.vocab,
+                       ffn_hidden_size=args.hidden * 3, max_position_embeddings=max(4096, args.seq + 1),
+                       precision=precision)
+
+
+def probe_tokens(args: argparse.Namespace):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, args.vocab, (2, 64), generator=gen)
+
+
+# -- the CPU side: write a checkpoint and reference logits ----------------------------------------------
+def write_cpu_checkpoint(args: argparse.Namespace, out_dir: str) -> None:
+    """Runs in a subprocess with no CUDA device: local spec, fp32, as the CPU harness and converter do."""
+    import torch
+
+    from megatron_cascade.cascade.runtime import init_distributed, shutdown_distributed
+    from megatron_cascade.config.model import ParallelConfig
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, save_model_weights
+
+    init_distributed()
+    try:
+        initialize_model_parallel(ParallelConfig(), seed=1)
+        cfg = model_config(args, "fp32")
+        model = build_gpt_model(cfg, ParallelConfig()).eval()
+        save_model_weights(model, os.path.join(out_dir, "weights"), cfg)
+        tokens = probe_tokens(args)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        with torch.no_grad():
+            logits = model(tokens, positions, None)
+        torch.save({"tokens": tokens, "logits": logits.float()}, os.path.join(out_dir, "reference.pt"))
+    finally:
+        shutdown_distributed()
+
+
+def run_cpu_writer(args: argparse.Namespace, out_dir: str) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--write-cpu-checkpoint", out_dir,
+           "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+           "--vocab", str(args.vocab), "--seq", str(args.seq)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"CPU checkpoint writer failed ({res.returncode}):\n{res.stderr[-3000:]}")
+
+
+# -- the GPU side -----------------------------------------------------------------------------------------
+def _device():
+    """The device the checks run on: the GPU (CPU only when a test drives ``run_checks`` on CPU)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def te_version() -> str | None:
+    try:
+        import transformer_engine
+    except ImportError:
+        return None
+    return getattr(transformer_engine, "__version__", "unknown")
+
+
+def check_cpu_checkpoint(policy, ref_dir: str) -> Result:
+    import torch
+
+    from megatron_cascade.training.policy import load_policy_weights
+
+    load_policy_weights(policy, os.path.join(ref_dir, "weights"))
+    ref = torch.load(os.path.join(ref_dir, "reference.pt"))
+    tokens = ref["tokens"].to(_device())
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    model = policy.module.eval()
+    with torch.no_grad():
+        logits = model(tokens, positions, None).float().cpu()
+    model.train()
+    err = (logits - ref["logits"]).abs().max().item() / ref["logits"].abs().max().item()
+    ok = err < 5e-2  # bf16 weights and compute vs fp32 on CPU
+    return Result("cpu_checkpoint", "PASS" if ok else "FAIL",
+                  "CPU-written local-spec weights load into the GPU model", {"max_rel_logit_err": err})
+
+
+def train_batch(args: argparse.Namespace):
+    import torch
+
+    from megatron_cascade.training import TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    mask = torch.zeros(args.batch, args.seq)
+    mask[:, args.seq // 4:] = 1  # a prompt quarter outside the loss, as in RL batches
+    return TrainBatch(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask)
+
+
+def flat_weights(policy):
+    import torch
+
+    return torch.cat([p.detach().float().flatten().cpu() for p in policy.module.parameters()])
+
+
+def timed_steps(policy, args: argparse.Namespace) -> dict:
+    """Warm-up step, then ``args.steps`` timed steps; figures of the timed ones."""
+    import torch
+
+    from megatron_cascade.config.training import LossConfig, TrainingConfig
+    from megatron_cascade.training import LossSpec, train_step
+
+    batch = train_batch(args)
+    # Cross-entropy on the masked tokens: a real gradient whatever the weights (an RL loss with
+    # made-up sampler log-probs would be masked out by the importance correction).
+    spec = LossSpec("sft", LossConfig(), vocab_size=args.vocab)
+    training = TrainingConfig(micro_batch_size=max(1, args.batch // 2))
+    metrics = train_step(policy, batch, spec, training)
+    _sync()
+    _reset_peak()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        metrics = train_step(policy, batch, spec, training)
+    _sync()
+    step_s = (time.perf_counter() - start) / max(1, args.steps)
+    return {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s, "peak_mem_gib": _peak_gib(),
+            "loss": float(metrics.get("loss", float("nan")))}
+
+
+def check_bf16_step(policy, loaded, init, args: argparse.Namespace) -> Result:
+    import math
+
+    figures = timed_steps(policy, args)
+    after = flat_weights(policy)
+    # Small lr and few steps: the weights move a little from the loaded ones. Had the masters kept
+    # the build-time init, the first step would copy it back: distance to the loaded weights ~ O(1).
+    moved = ((after - loaded).norm() / loaded.norm()).item()
+    to_init = ((after - init).norm() / init.norm()).item()
+    figures.update(rel_change_from_loaded=moved, rel_distance_to_init=to_init)
+    ok = 0 < moved < 0.1 and moved < 0.5 * to_init and math.isfinite(figures["loss"])
+    return Result("bf16_step", "PASS" if ok else "FAIL", "masters reloaded: trains from the loaded weights", figures)
+
+
+def check_fp8_step(args: argparse.Namespace) -> Result:
+    import math
+
+    from megatron_cascade.config.model import FP8Config, ParallelConfig
+    from megatron_cascade.config.training import OptimizerConfig
+    from megatron_cascade.training import build_policy
+
+    if te_version() is None:
+        return Result("fp8_step", "SKIP", "Transformer Engine is not importable")
+    cfg = replace(model_config(args, "bf16"), fp8=FP8Config(format="hybrid", recipe="delayed"))
+    policy = build_policy(cfg, ParallelConfig(), OptimizerConfig(lr=LR), total_steps=args.steps + 2)
+    figures = timed_steps(policy, replace_batch_for_fp8(args))
+    ok = math.isfinite(figures["loss"])
+    return Result("fp8_step", "PASS" if ok else "FAIL", "FP8 hybrid, delayed scaling", figures)
+
+
+def replace_batch_for_fp8(args: argparse.Namespace) -> argparse.Namespace:
+    """TE's FP8 GEMMs need token counts divisible by 16: round the sequence length up."""
+    out = argparse.Namespace(**vars(args))
+    out.seq = -(-args.seq // 16) * 16
+    return out
+
+
+def check_generation(policy, args: argparse.Namespace) -> Result:
+    from megatron_cascade.rollout import SamplingParams, generate
+    from megatron_cascade.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer("builtin:char")
+    prompts = [tokenizer.encode(f"question {i}: what is {i} + {i}?") for i in range(8)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=4, seed=0, ignore_eos=True)
+    _sync()
+    _reset_peak()
+    start = time.perf_counter()
+    out = generate(policy.module, prompts, params, tokenizer=tokenizer)
+    _sync()
+    seconds = time.perf_counter() - start
+    new = sum(len(s.response_ids) for s in out.samples)
+    ok = new == len(prompts) * params.n * args.new_tokens
+    return Result("generation", "PASS" if ok else "FAIL", f"{len(out.samples)} samples, static KV cache",
+                  {"new_tokens": new, "seconds": seconds, "new_tokens_per_s": new / seconds,
+                   "peak_mem_gib": _peak_gib()})
+
+
+def run_checks(args: argparse.Namespace) -> list[Result]:
+    import torch
+
+    from megatron_cascade.cascade.runtime import init_distributed, shutdown_distributed
+    from megatron_cascade.config.model import ParallelConfig
+    from megatron_cascade.config.training import OptimizerConfig
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import build_policy
+
+    results = []
+    with tempfile.TemporaryDirectory() as ref_dir:
+        run_cpu_writer(args, ref_dir)
+        init_distributed()
+        try:
+            initialize_model_parallel(ParallelConfig(), seed=0)
+            policy = build_policy(model_config(args, "bf16"), ParallelConfig(), OptimizerConfig(lr=LR),
+                                  total_steps=args.steps + 2)
+            init = flat_weights(policy)
+            results.append(guard("cpu_checkpoint", lambda: check_cpu_checkpoint(policy, ref_dir)))
+            loaded = flat_weights(policy)
+            results.append(guard("bf16_step", lambda: check_bf16_step(policy, loaded, init, args)))
+            results.append(guard("generation", lambda: check_generation(policy, args)))
+            del policy
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            results.append(guard("fp8_step", lambda: check_fp8_step(args)))
+        finally:
+            shutdown_distributed()
+    return results
+
+
+def guard(name: str, check) -> Result:
+    """Run one check; an exception is that check's FAIL (the others still run)."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        return Result(name, "FAIL", f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.write_cpu_checkpoint:
+        write_cpu_checkpoint(args, args.write_cpu_checkpoint)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False): nothing checked; "
+              "run it on a GPU machine", file=sys.stderr)
+        return EXIT_NO_GPU
+    import megatron.core
+
+    te = te_version()
+    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+          f"megatron-core {megatron.core.__version__}, transformer-engine {te or 'ABSENT: local spec, TE parts skipped'}")
+    print(f"model: {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; step = {args.batch} x {args.seq} "
+          "tokens")
+    start = time.perf_counter()
+    results = run_checks(args)
+    for r in results:
+        print(r.line())
+    print(f"gpu_check: {time.perf_counter() - start:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(r) for r in results], indent=2))
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/bin/bash
+# GPU check on ONE GPU, bounded to 8 minutes: Transformer Engine spec model (local spec when TE is
+# absent), a CPU-written checkpoint loaded into it, bf16 steps after the load (fp32 masters
+# reloaded), an FP8 step (TE only), generation; prints step time, tokens/s and peak memory.
+#
+#   benchmarks/gpu_check.sh [gpu_check.py options, e.g. --json results.json]
+#
+# Installs nothing: PYTHON (default: python3, or $VENV/bin/python) must already have torch and
+# megatron-core (carried wheels or a prepared venv); megatron_cascade comes from this working tree.
+# Exit status: 0 all checks passed or skipped, 1 a check failed, 2 no CUDA device, 124 over time.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
+if [[ -n ${VENV:-} ]]; then
+    PYTHON=${PYTHON:-$VENV/bin/python}
+fi
+PYTHON=${PYTHON:-python3}
+LIMIT_S=${GPU_CHECK_LIMIT_S:-480}
+
+command -v "$PYTHON" >/dev/null || { echo "gpu_check.sh: $PYTHON not found (set PYTHON or VENV)" >&2; exit 2; }
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check.sh: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False): nothing checked" >&2
+    exit 2
+fi
+# One process, one GPU; Megatron's in-order kernel issue as on the cluster (slurm/stage.sbatch).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+exec timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" "$HERE/gpu_check.py" "$@"

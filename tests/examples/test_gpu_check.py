@@ -1,0 +1,82 @@
+"""benchmarks/gpu_check.{sh,py}, the check for a lent GPU, as far as this CPU machine can take it:
+argument parsing, the fast "no CUDA" exit of both entry points, shellcheck, and the checks
+themselves driven on CPU with a tiny model (the GPU-only FP8 check then reports SKIP)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "4",
+        "--steps", "2", "--new-tokens", "4"]
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_argparse_and_help():
+    gpu_check = load_gpu_check()
+    args = gpu_check.build_parser().parse_args(["--steps", "3", "--json", "x.json"])
+    assert args.steps == 3 and args.json == "x.json" and args.write_cpu_checkpoint is None
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and "cpu_checkpoint" in res.stdout, res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_without_cuda_both_entry_points_exit_2_at_once():
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr, res.stdout + res.stderr
+    env = dict(os.environ, PYTHON=sys.executable)
+    res = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 2 and "no CUDA device" in res.stderr, res.stdout + res.stderr
+    assert time.monotonic() - start < 45
+
+
+def test_shell_script_is_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
+    res = subprocess.run(["shellcheck", "--shell=bash", str(BENCH / "gpu_check.sh")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+_DRIVER = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import gpu_check
+args = gpu_check.build_parser().parse_args({argv!r})
+print("RESULTS" + json.dumps([vars(r) for r in gpu_check.run_checks(args)]))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU drive of the checks")
+def test_checks_run_on_cpu_with_a_tiny_model():
+    """The same functions the GPU run calls (CPU-written checkpoint, bf16 steps after the load,
+    generation) pass on CPU; FP8 needs Transformer Engine and says so."""
+    code = _DRIVER.format(bench=str(BENCH), argv=TINY)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULTS")), None)
+    assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
+    results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
+    for name in ("cpu_checkpoint", "bf16_step", "generation"):
+        assert results[name]["status"] == "PASS", results[name]
+    assert results["fp8_step"]["status"] == "SKIP"
+    assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
+    assert results["bf16_step"]["figures"]["tokens_per_s"] > 0
