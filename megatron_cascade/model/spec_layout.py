@@ -11,8 +11,10 @@ exception, and it already writes TE names for almost every tensor:
   ``mlp.linear_fc1.layer_norm_*`` — the names of TE's fused ``TELayerNormColumnParallelLinear``.
 * The local spec applies that map to MoE layers too, but the TE MoE layer does not fuse its pre-MLP
   norm (its experts' ``linear_fc1`` are plain linears): it keeps a separate ``TENorm`` stored as
-  ``pre_mlp_layernorm.*``. That is the one tensor rename (``canonical_sharded_state_dict``), made for
-  every layer whose MLP is not a dense ``linear_fc1``.
+  ``pre_mlp_layernorm.*``. That is the one tensor the local spec names differently.
+  ``canonical_sharded_state_dict`` decides each norm's key from the module names alone (fused into
+  the next linear when TE fuses it, else separate), so a local spec without megatron-core's keys map
+  (a custom CPU norm) still saves TE names.
 * ``_extra_state`` objects hold TE's FP8 metadata, no weights. Local linears store ``None`` under the
   same keys as TE linears; TE norms (``q_layernorm``, ``k_layernorm``, MoE ``pre_mlp_layernorm``,
   ``final_layernorm``) have ones local norms lack. Loading tolerates both directions
@@ -30,11 +32,15 @@ from typing import Any
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 
-# A layer's pre-MLP norm as a module name: "<...>layers.<i>.pre_mlp_layernorm.<weight|bias>".
-_PRE_MLP_NORM = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+\.)pre_mlp_layernorm\.(?P<param>weight|bias)$")
-# The local spec's (TE dense-layer) key of a pre-MLP norm, and the TE MoE-layer key.
-_FUSED_SUFFIX = "mlp.linear_fc1.layer_norm_{param}"
-_SEPARATE_SUFFIX = "pre_mlp_layernorm.{param}"
+# A layer's norm as a module name: "<...>layers.<i>.<input_layernorm|pre_mlp_layernorm>.<weight|bias>".
+_LAYER_NORM = re.compile(
+    r"^(?P<layer>(?:.*\.)?layers\.\d+\.)(?P<norm>input_layernorm|pre_mlp_layernorm)\.(?P<param>weight|bias)$")
+# Where a norm's parameter can sit in a checkpoint key: its own module, or fused into the next linear (TE).
+_NORM_TAILS = {
+    "input_layernorm": ("input_layernorm.{param}", "self_attention.linear_qkv.layer_norm_{param}"),
+    "pre_mlp_layernorm": ("pre_mlp_layernorm.{param}", "mlp.linear_fc1.layer_norm_{param}"),
+}
+_SEPARATE_SUFFIX, _FUSED_SUFFIX = _NORM_TAILS["pre_mlp_layernorm"]
 
 
 def is_extra_state(key: str) -> bool:
@@ -45,18 +51,25 @@ def is_extra_state(key: str) -> bool:
 def canonical_sharded_state_dict(sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
     """The model's flat ``sharded_state_dict()`` with every checkpoint key in the canonical (TE) naming.
 
-    Dict keys (module names) are unchanged; an entry whose checkpoint key changes is a shallow copy
-    with the new ``key``, the input is not modified. A TE-spec model's dict comes back unchanged.
+    A layer norm is stored fused, as TE's ``TELayerNormColumnParallelLinear`` holds it, when the next
+    linear is one TE fuses (``self_attention.linear_qkv``; a dense MLP's ``linear_fc1``), else under
+    its own module (MoE ``pre_mlp_layernorm``). Decided from the module names, so it does not depend on
+    the spec's own ``sharded_state_dict_keys_map``. Dict keys (module names) are unchanged; an entry
+    whose checkpoint key changes is a shallow copy, the input is not modified; a TE-spec model's dict
+    (no separate norm modules but the MoE one) comes back unchanged.
     """
     out = dict(sharded_state_dict)
     for name, entry in sharded_state_dict.items():
-        match = _PRE_MLP_NORM.match(name)
-        if match is None or f"{match['layer']}mlp.linear_fc1.weight" in sharded_state_dict:
-            continue  # not a pre-MLP norm, or a dense layer: TE fuses it into linear_fc1 too
-        fused = _FUSED_SUFFIX.format(param=match["param"])
-        if entry.key.endswith(fused):
+        match = _LAYER_NORM.match(name)
+        if match is None:
+            continue
+        separate, fused = (t.format(param=match["param"]) for t in _NORM_TAILS[match["norm"]])
+        next_linear = "self_attention.linear_qkv" if match["norm"] == "input_layernorm" else "mlp.linear_fc1"
+        target = fused if f"{match['layer']}{next_linear}.weight" in sharded_state_dict else separate
+        current = next((t for t in (separate, fused) if entry.key.endswith(t)), None)
+        if current is not None and current != target:
             renamed = copy.copy(entry)
-            renamed.key = entry.key[: -len(fused)] + _SEPARATE_SUFFIX.format(param=match["param"])
+            renamed.key = entry.key[: -len(current)] + target
             out[name] = renamed
     return out
 

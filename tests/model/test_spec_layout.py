@@ -236,7 +236,8 @@ def parallel_worker(tmp: str, fixture: dict) -> dict:
     from megatron_cascade.model import save_model_weights
 
     out = {}
-    layouts = {"dense": ParallelConfig(tensor_model_parallel_size=2), "moe": ParallelConfig(expert_model_parallel_size=2)}
+    layouts = {"dense": ParallelConfig(tensor_model_parallel_size=2),
+               "moe": ParallelConfig(expert_model_parallel_size=2)}
     for kind, spec in fixture.items():
         cfg, base = _model_config(spec["config"]), os.path.join(tmp, kind)
         initialize_model_parallel(layouts[kind], seed=3)
@@ -319,7 +320,8 @@ def test_strict_load_names_the_mismatching_tensor(results, kind):
 
 
 def test_te_named_nemo2_moe_checkpoint_imports_bit_identical(results):
-    """NeMo 2 / Megatron-LM GPU checkpoints are TE-named: the MoE pre_mlp_layernorm is read, not demanded as linear_fc1's."""
+    """NeMo 2 / Megatron-LM GPU checkpoints are TE-named: the MoE pre_mlp_layernorm is read (not
+    demanded under linear_fc1's name)."""
     assert results["moe"]["nemo_import_diff"] == []
     assert results["moe"]["nemo_import_keys"] == sorted(_fixture()["moe"]["tensors"])
 
@@ -347,20 +349,35 @@ def test_legacy_key_maps_only_the_separate_pre_mlp_norm():
     assert legacy_key("decoder.layers.my_pre_mlp_layernorm.weight") is None
 
 
-def test_canonical_naming_leaves_te_spec_entries_alone():
-    """A TE MoE layer's dict: the norm already sits under pre_mlp_layernorm (no rename, input untouched)."""
+def test_canonical_naming_leaves_te_spec_entries_alone_and_fuses_unmapped_dense_norms():
+    """A TE MoE layer is left as it is; a local MoE layer's norm moves to pre_mlp_layernorm; a dense
+    layer from a local spec without megatron-core's keys map (e.g. a custom CPU norm) gets TE's fused names."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
 
-    def entry(key):
-        return ShardedTensor.from_rank_offsets(key, torch.ones(4), replica_id=0)
+    def layer(**names):
+        return {f"decoder.layers.0.{k.replace('__', '.')}": ShardedTensor.from_rank_offsets(
+            f"decoder.layers.{v}", torch.ones(4), replica_id=0) for k, v in names.items()}
 
-    te = {"decoder.layers.0.pre_mlp_layernorm.weight": entry("decoder.layers.pre_mlp_layernorm.weight"),
-          "decoder.layers.0.mlp.router.weight": entry("decoder.layers.mlp.router.weight")}
-    local = {"decoder.layers.0.pre_mlp_layernorm.weight": entry("decoder.layers.mlp.linear_fc1.layer_norm_weight"),
-             "decoder.layers.0.mlp.router.weight": entry("decoder.layers.mlp.router.weight")}
-    assert {k: v.key for k, v in canonical_sharded_state_dict(te).items()} == {k: v.key for k, v in te.items()}
-    renamed = canonical_sharded_state_dict(local)
-    assert renamed["decoder.layers.0.pre_mlp_layernorm.weight"].key == "decoder.layers.pre_mlp_layernorm.weight"
-    assert local["decoder.layers.0.pre_mlp_layernorm.weight"].key == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    def keys(sd):
+        return {k: v.key for k, v in canonical_sharded_state_dict(sd).items()}
+
+    te_moe = layer(self_attention__linear_qkv__weight="self_attention.linear_qkv.weight",
+                   pre_mlp_layernorm__weight="pre_mlp_layernorm.weight", mlp__router__weight="mlp.router.weight")
+    assert keys(te_moe) == {k: v.key for k, v in te_moe.items()}
+    local_moe = layer(self_attention__linear_qkv__weight="self_attention.linear_qkv.weight",
+                      pre_mlp_layernorm__weight="mlp.linear_fc1.layer_norm_weight",
+                      mlp__router__weight="mlp.router.weight")
+    assert keys(local_moe)["decoder.layers.0.pre_mlp_layernorm.weight"] == "decoder.layers.pre_mlp_layernorm.weight"
+    untouched = local_moe["decoder.layers.0.pre_mlp_layernorm.weight"].key
+    assert untouched == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    unmapped_dense = layer(input_layernorm__weight="input_layernorm.weight",
+                           self_attention__linear_qkv__weight="self_attention.linear_qkv.weight",
+                           pre_mlp_layernorm__bias="pre_mlp_layernorm.bias",
+                           mlp__linear_fc1__weight="mlp.linear_fc1.weight")
+    assert keys(unmapped_dense) == {
+        "decoder.layers.0.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight": "decoder.layers.self_attention.linear_qkv.weight",
+        "decoder.layers.0.pre_mlp_layernorm.bias": "decoder.layers.mlp.linear_fc1.layer_norm_bias",
+        "decoder.layers.0.mlp.linear_fc1.weight": "decoder.layers.mlp.linear_fc1.weight"}
