@@ -67,7 +67,10 @@ def is_main_rank() -> bool:
 
 # -- the Slurm job's end time -------------------------------------------------------------------
 def _squeue_end_time(job_id: str) -> str:
-    res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=60)
+    # SLURM_TIME_FORMAT=standard: ISO timestamps whatever the user's own format setting.
+    env = {**os.environ, "SLURM_TIME_FORMAT": "standard"}
+    res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=60,
+                         env=env)
     return res.stdout.strip() if res.returncode == 0 else ""
 
 
@@ -76,9 +79,9 @@ def slurm_job_end_time(env: Mapping[str, str] | None = None,
     """Unix time (s) at which Slurm will end this job, or ``None`` (not a Slurm job, no time limit,
     or Slurm could not say).
 
-    ``SLURM_JOB_END_TIME`` (unix seconds; set by Slurm >= 23.02) when present, else one
-    ``squeue -h -j $SLURM_JOB_ID -o %e`` (Debian 12's Slurm 22.05 does not set the variable);
-    squeue prints the local time of this machine, ISO format, or N/A / NONE / Unknown when unlimited.
+    ``SLURM_JOB_END_TIME`` (unix seconds) where the Slurm version sets it, else one
+    ``squeue -h -j $SLURM_JOB_ID -o %e``, which prints the job's end in this machine's local time
+    (ISO format), or N/A / NONE / Unknown when there is no limit.
     """
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID")
