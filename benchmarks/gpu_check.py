@@ -326,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
 
     te = te_version()
+    te_text = te or "ABSENT: local spec, TE parts skipped"
     print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"megatron-core {megatron.core.__version__}, transformer-engine {te or 'ABSENT: local spec, TE parts skipped'}")
+          f"megatron-core {megatron.core.__version__}, transformer-engine {te_text}")
     print(f"model: {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; step = {args.batch} x {args.seq} "
           "tokens")
     start = time.perf_counter()
