@@ -169,8 +169,11 @@ def check_cpu_checkpoint(policy, ref_dir: str) -> Result:
     model.train()
     err = (logits - ref["logits"]).abs().max().item() / ref["logits"].abs().max().item()
     ok = err < 5e-2  # bf16 weights and compute vs fp32 on CPU
+    from megatron_cascade.model.parallel import transformer_engine_available
+
+    spec = "Transformer Engine" if transformer_engine_available() else "local"
     return Result("cpu_checkpoint", "PASS" if ok else "FAIL",
-                  "CPU-written local-spec weights load into the GPU model", {"max_rel_logit_err": err})
+                  f"CPU-written local-spec weights load into the {spec}-spec model", {"max_rel_logit_err": err})
 
 
 def train_batch(args: argparse.Namespace):
