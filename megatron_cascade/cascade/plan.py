@@ -114,11 +114,13 @@ def check_runnable(cfg: RunConfig, layout: Layout) -> None:
     if layout.cp > 1:
         raise ConfigError(f"parallel.context_parallel_size={layout.cp}: the training step does not split "
                           "sequences over context-parallel ranks yet (training/step.py); set it to 1")
-    rl_stages = [s.name for s in cfg.stages if s.type in ("grpo", "mopd")]
-    if p.sequence_parallel and rl_stages:
-        raise ConfigError(f"parallel.sequence_parallel=true: rollout generation (rollout/generate.py) does not run "
-                          f"with sequence parallelism, and stages {rl_stages} generate; use TP=1 (with EP) for "
-                          "an MoE model, or drop sequence_parallel for a dense one")
+    generating = [s.name for s in cfg.stages if s.type in ("grpo", "mopd")]
+    if cfg.eval.enabled and any(d.eval for d in cfg.domains.values()):
+        generating.append("evaluation after each stage (eval.enabled)")
+    if p.sequence_parallel and generating:
+        raise ConfigError(f"parallel.sequence_parallel=true: generation (rollout/generate.py) does not run with "
+                          f"sequence parallelism, and these generate: {generating}; use TP=1 (with EP) for an "
+                          "MoE model, or drop sequence_parallel for a dense one")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         raise ConfigError("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
                           "(Megatron's DDP gathers parameters only from distributed-optimizer shards)")

@@ -67,9 +67,12 @@ def test_dry_run_refuses_what_cannot_run_naming_the_key(tmp_path, case):
     assert key in str(info.value), str(info.value)
 
 
-def test_sequence_parallel_is_fine_for_sft_only_runs(tmp_path):
-    cfg = small_config(tmp_path, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", sft=True)
-    assert "layout: TP=2" in describe_plan(cfg)
+def test_sequence_parallel_is_fine_for_sft_only_runs_without_eval(tmp_path):
+    sp = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
+    assert "layout: TP=2" in describe_plan(small_config(tmp_path, *sp, sft=True))
+    # Evaluation after the stage generates too.
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true.*eval.enabled"):
+        describe_plan(small_config(tmp_path, *sp, f"domains.math.eval={tmp_path}/eval.jsonl", sft=True))
 
 
 def korthikanti_per_layer(s, b, h, a, t, sp):
