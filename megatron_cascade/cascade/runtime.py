@@ -49,7 +49,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
         from megatron_cascade.testing.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def shutdown_distributed() -> None:

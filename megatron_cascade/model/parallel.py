@@ -107,9 +107,10 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_mi
     ``timeout_minutes``: collective timeout of every group Megatron creates
     (``distributed.timeout_minutes``); None = the schema's default.
     """
-    from megatron_cascade.config.schema import DistributedConfig
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_cascade.config.schema import DistributedConfig
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -117,7 +118,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_mi
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-        
+        distributed_timeout_minutes=timeout_minutes or DistributedConfig().timeout_minutes,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
