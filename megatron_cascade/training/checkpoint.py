@@ -101,6 +101,8 @@ def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     _signal_safe_writer_queue()
+    for opt in _sub_optimizers(policy):
+        _allocate_state(opt)  # a checkpoint before the first step (e.g. all steps skipped so far)
     state = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=False,
                                                 metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, ckpt_dir, sharded_strategy=_parallel_strategies())
@@ -116,10 +118,7 @@ def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
 
     subs = _sub_optimizers(policy)
     for opt in subs:
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            # Building its load dict reads state_dict(), which needs allocated Adam states; the dummy
-            # values are overwritten by the load.
-            opt._init_optimizer_states_with_dummy_values()
+        _allocate_state(opt)  # the load fills the optimizer's tensors in place
     request = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=True,
                                                   metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_parallel_strategies(ckpt_dir))
@@ -128,7 +127,35 @@ def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
         if isinstance(opt, DistributedOptimizer):
             _load_distributed_optimizer(opt, state)
         else:
+            _restore_zero_step(opt, state)
             opt.load_state_dict(state)
+
+
+def _allocate_state(opt) -> None:
+    """Give parameters without optimizer state (none before the first step) the state of a fresh Adam:
+    zero moments and step 0, so that it can be saved and loaded like any other."""
+    if getattr(opt, "init_state_fn", None) is not None:
+        opt.init_state_fn(opt.optimizer, opt.config)  # Megatron's own: zero moments where missing
+    _add_missing_steps(opt.optimizer)
+
+
+def _restore_zero_step(opt, state: dict) -> None:
+    """Megatron saves the plain optimizer's shared Adam ``step`` only when it is non-zero; torch's Adam
+    refuses states without one: put the 0 back (as Megatron's ``common_step``) before loading."""
+    if not isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    inner = state.get("optimizer", state)  # Float16Optimizer nests the torch state dict, FP32Optimizer not
+    if "common_step" not in inner["state"]:
+        inner["state"]["common_step"] = torch.tensor(0.0)
+
+
+def _add_missing_steps(inner) -> None:
+    """torch's Adam keeps a per-parameter ``step`` (fused Adams keep it in the param groups)."""
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for state in inner.state.values():
+        if state and "step" not in state:
+            state["step"] = torch.tensor(0.0)
 
 
 def _load_distributed_optimizer(opt, state: dict) -> None:

@@ -134,3 +134,27 @@ def test_overlap_param_gather_checkpoint_right_after_a_step_holds_that_steps_wei
     for after_step, saved in run_distributed(_overlap_worker, 2, str(tmp_path / "ckpt")):
         for key, want in after_step.items():
             torch.testing.assert_close(saved[key], want, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def _before_first_step_worker(parallel: ParallelConfig, root: str):
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import build_policy
+    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+
+    initialize_model_parallel(parallel, seed=5)
+    uninterrupted = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)
+    save_training_checkpoint(root, 0, uninterrupted, {}, keep_last=1)  # e.g. every step so far was skipped
+    resumed = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)
+    load_training_checkpoint(os.path.join(root, "step_00000000"), resumed)
+    _train(uninterrupted, range(2))
+    _train(resumed, range(2))
+    return [(a.detach().clone(), b.detach().clone())
+            for a, b in zip(uninterrupted.module.parameters(), resumed.module.parameters())]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_checkpoint_written_before_the_first_optimizer_step_resumes(tmp_path, distributed):
+    pairs = run_distributed(_before_first_step_worker, 1, ParallelConfig(use_distributed_optimizer=distributed),
+                            str(tmp_path / "ckpt"))[0]
+    for want, got in pairs:
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
