@@ -89,6 +89,7 @@ def slurm_job_end_time(env: Mapping[str, str] | None = None,
         return None
     value = env.get("SLURM_JOB_END_TIME", "")
     if value.isdigit() and int(value) > 0:
+        log.info("job %s end time from SLURM_JOB_END_TIME", job_id)
         return float(value)
     try:
         text = query(job_id)
@@ -97,11 +98,13 @@ def slurm_job_end_time(env: Mapping[str, str] | None = None,
                     job_id, exc)
         return None
     try:
-        return datetime.fromisoformat(text).timestamp()
+        end = datetime.fromisoformat(text).timestamp()
     except ValueError:
         if text.upper() not in ("N/A", "NONE", "UNKNOWN", "UNLIMITED", ""):
             log.warning("squeue printed an end time %r this code cannot read; ignoring it", text)
         return None
+    log.info("job %s end time from squeue: %s", job_id, text)
+    return end
 
 
 def _agreed_end_time() -> float | None:
