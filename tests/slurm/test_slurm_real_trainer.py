@@ -74,8 +74,12 @@ def submit(cluster, work: Path, out: Path, config: Path = CI_CONFIG, *overrides:
         "LOG_DIR": str(work / "logs"),
         "MAX_REQUEUES": "2",
     }
-    res = cluster.run(["bash", str(SUBMIT), str(config), f"output_dir={out}", *overrides], env=env, cwd=work,
-                      timeout=120)
+    # The trainer stops a stage whose next step would end inside checkpoint.time_limit_margin_s of the
+    # job's time limit (default 600 s: the whole of these 10-minute CPU jobs); these tests are about
+    # chaining and signals, so keep a margin that fits their steps.
+    margin = "checkpoint.time_limit_margin_s=60"
+    res = cluster.run(["bash", str(SUBMIT), str(config), f"output_dir={out}", margin, *overrides], env=env,
+                      cwd=work, timeout=120)
     lines = res.stdout.strip().splitlines()
     assert lines and lines[-1].startswith(("submitted ", "all ")), res.stdout + res.stderr
     return {stage: int(job) for stage, job in (line.split() for line in lines[:-1])}
