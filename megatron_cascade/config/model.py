@@ -19,9 +19,10 @@ class MoEConfig:
     ffn_hidden_size: Optional[int] = None  # per-expert FFN width; null = model.ffn_hidden_size
     shared_expert_intermediate_size: Optional[int] = None  # null = no shared expert
     router_pre_softmax: bool = False  # False: softmax over the top-k (normalised top-k probs)
-    # Load-balancing loss, weighted like the policy loss (model/moe_aux_loss.py): aux_loss (per
-    # micro-batch) | seq_aux_loss (per sequence: exact for any batch split) | none (NeMo-RL's GRPO default).
-    router_load_balancing_type: str = "aux_loss"
+    # Load-balancing loss, weighted like the policy loss (model/moe_aux_loss.py): none (NeMo-RL's GRPO
+    # default) | aux_loss (per micro-batch) | seq_aux_loss (per sequence: exact for any batch split),
+    # scaled by aux_loss_coeff.
+    router_load_balancing_type: str = "none"
     aux_loss_coeff: float = 0.0
     router_score_function: str = "softmax"  # softmax | sigmoid
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias moved by router_bias_update_rate

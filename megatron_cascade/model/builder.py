@@ -58,6 +58,11 @@ def _validate_router(model: ModelConfig) -> None:
     _check_choice("model.moe.router_score_function", moe.router_score_function, ("softmax", "sigmoid"))
     if moe.aux_loss_coeff < 0 or moe.router_bias_update_rate < 0:
         raise ConfigError("model.moe.aux_loss_coeff and model.moe.router_bias_update_rate must be >= 0")
+    if moe.router_load_balancing_type == "none" and moe.aux_loss_coeff > 0:
+        raise ConfigError(
+            f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} does nothing with model.moe.router_load_balancing_type="
+            "'none': set the type (aux_loss | seq_aux_loss) or the coefficient to 0"
+        )
     if moe.router_enable_expert_bias and moe.router_score_function != "sigmoid":
         raise ConfigError("model.moe.router_enable_expert_bias needs model.moe.router_score_function=sigmoid "
                           "(Megatron-Core's aux-loss-free balancing)")

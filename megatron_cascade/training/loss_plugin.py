@@ -120,16 +120,22 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _prepared(micro: TrainBatch, model: torch.nn.Module) -> TrainBatch:
-    """The micro-batch on the model's device, its sequences padded for the model's parallel layout."""
+def model_sequence_multiple(model: torch.nn.Module) -> int:
+    """The multiple (tokens) that ``model``'s layout needs sequence lengths padded to (SP / CP / FP8;
+    ``model.builder.sequence_length_multiple``). ``model`` may be wrapped (DDP, Float16Module)."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    multiple = sequence_length_multiple(
+    return sequence_length_multiple(
         tensor_parallel=config.tensor_model_parallel_size, sequence_parallel=config.sequence_parallel,
         context_parallel=config.context_parallel_size, fp8=bool(config.fp8),
     )
-    return micro.to(_device_of(model)).padded_sequences_to_multiple(multiple)
+
+
+def _prepared(micro: TrainBatch, model: torch.nn.Module) -> TrainBatch:
+    """The micro-batch on the model's device, its sequences padded for the model's parallel layout
+    (a no-op when the caller padded the whole batch already)."""
+    return micro.to(_device_of(model)).padded_sequences_to_multiple(model_sequence_multiple(model))
 
 
 def _run_model(model: torch.nn.Module, micro: TrainBatch) -> torch.Tensor:
