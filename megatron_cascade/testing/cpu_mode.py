@@ -141,6 +141,7 @@ def _cuda_type_names():
     Re-entrant: CPU mode's TorchFunctionMode calls back into the patched method with the
     original ``Tensor.type``, whose answer may already carry the ``torch.cuda.`` name.
     """
+    patched_already = "type" in vars(torch.Tensor)  # by an enclosing use
     previous = torch.Tensor.type
     original = torch._C.TensorBase.type
 
@@ -154,7 +155,10 @@ def _cuda_type_names():
     try:
         yield
     finally:
-        torch.Tensor.type = previous
+        if patched_already:
+            torch.Tensor.type = previous
+        else:
+            del torch.Tensor.type  # back to the inherited method
 
 
 def _with_cuda_type_names(cls) -> None:

@@ -111,7 +111,8 @@ def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
 def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     """Read ``save_optimizer_state``'s checkpoint into the policy's optimizer at this layout; collective.
 
-    The model must hold the checkpoint's weights already: the optimizer state is keyed by them.
+    Its tensors are found by the model's sharded-tensor keys (names, global shapes), so any layout
+    reads them; with bf16/fp16 the fp32 master weights come from here (finer than the 16-bit weights).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
