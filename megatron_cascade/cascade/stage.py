@@ -29,13 +29,13 @@ from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.model import build_gpt_model
 from megatron_cascade.rollout import SamplingParams, generate
 from megatron_cascade.training import LossSpec, TrainBatch, build_policy, forward_logprobs, optimize_on_batch
-from megatron_cascade.training.policy import finish_param_sync, in_model_precision, load_policy_weights
 from megatron_cascade.training.checkpoint import (
     load_training_checkpoint,
     read_latest,
     save_final_weights,
     save_training_checkpoint,
 )
+from megatron_cascade.training.policy import finish_param_sync, in_model_precision, load_policy_weights
 
 log = logging.getLogger(__name__)
 
