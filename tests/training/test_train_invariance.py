@@ -9,7 +9,7 @@ re-assembled at TP=1) to 1e-6 in fp32.
 
 The MoE model (4 experts, top-2, sigmoid scores with expert bias, a per-sequence load-balancing loss
 with a large coefficient so that it moves the gradients) runs GRPO at TP=2 + SP (expert TP 2, and
-expert TP 1), and EP=2 x DP=2; its reference is one process, one micro-batch. Loss, gradients (the
+EP=2 with expert TP 1), EP=2 x DP=2 and PP=2; its reference is one process, one micro-batch. Loss, gradients (the
 aux loss included) and the expert biases after the step (updated from the global token counts) equal
 the reference.
 """
@@ -52,8 +52,10 @@ def _global_batch():
     )
 
 
-def _expert_biases(module) -> list:
-    return [m.expert_bias.detach().clone() for m in module.modules() if getattr(m, "expert_bias", None) is not None]
+def _expert_biases(module) -> dict:
+    """{layer number (global, 1-based): router expert bias} of this rank's pipeline stage."""
+    return {m.layer_number: m.expert_bias.detach().clone() for m in module.modules()
+            if getattr(m, "expert_bias", None) is not None}
 
 
 def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, init, model=MODEL):
@@ -115,6 +117,7 @@ MOE_SPLITS = [
     ("moe-tp2-sp-ep2-etp1", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
                                            expert_model_parallel_size=2, expert_tensor_parallel_size=1), 4),
     ("moe-ep2-dp2", ParallelConfig(expert_model_parallel_size=2), 2),
+    ("moe-pp2", ParallelConfig(pipeline_model_parallel_size=2), 4),
 ]
 
 
@@ -124,10 +127,13 @@ def test_moe_gradient_and_expert_bias_are_invariant_to_the_split(reference, name
     results = run_distributed(_gradient_worker, 2, parallel, mbs, "grpo", f"{tmp}/w_moe", f"{tmp}/{name}", False, MOE)
     _assert_same(results[0], reference["moe"])
     ref_biases = reference["moe"][0]["expert_biases"]
-    assert len(ref_biases) == MOE.num_layers and all(b.abs().sum() > 0 for b in ref_biases)
+    assert sorted(ref_biases) == [1, 2] and all(b.abs().sum() > 0 for b in ref_biases.values())
+    seen = set()
     for rank_metrics, _ in results:
-        for bias, ref in zip(rank_metrics["expert_biases"], ref_biases, strict=True):
-            torch.testing.assert_close(bias, ref, atol=0, rtol=0)
+        for layer, bias in rank_metrics["expert_biases"].items():
+            torch.testing.assert_close(bias, ref_biases[layer], atol=0, rtol=0)
+            seen.add(layer)
+    assert seen == set(ref_biases)
 
 
 def _assert_same(result, reference):
