@@ -6,7 +6,8 @@ attaches ``aux_loss * local_routed_tokens`` and relies on ``finalize_model_grads
 gradient by the global loss-token count. Our losses are already divided by their global normaliser N
 (``training/loss_plugin.py``), so finalize passes no token count and the aux-loss gradient would come
 out multiplied by the number of routed tokens of each micro-batch and summed over micro-batches and
-data-parallel ranks. (Under SP the local count also differs per TP rank once padding is masked.)
+data-parallel ranks. (Without a padding mask that count is the rank's SP shard of the micro-batch, so
+the weight would also shrink with TP: read from megatron-core 0.16.1, not measured.)
 
 The choice made here: the load-balancing loss is averaged *exactly like the policy loss*. Each
 sequence b of the global batch gets the weight ``w_b = (its loss tokens) / N`` (MOPD "sequence"

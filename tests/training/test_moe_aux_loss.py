@@ -6,8 +6,8 @@ in float64 from the router inputs of the run: per sequence (``seq_aux_loss``) or
 (``aux_loss``) Switch losses over non-padding tokens, each weighted by its loss tokens / the global
 loss-token count. 4 sequences with right padding, 2 micro-batches.
 
-Split: with ``aux_loss`` (a per-micro-batch loss) the gradient at DP=2 equals the single-rank one for
-the same micro-batches.
+Layout: with ``aux_loss`` (a per-micro-batch loss) the gradient at DP=2 and at TP=2 + SP (padding
+masks scattered with the sequence) equals the single-rank one for the same micro-batches.
 """
 
 from dataclasses import replace
@@ -110,7 +110,7 @@ def test_aux_loss_gradient_is_the_documented_objective(tmp_path, kind):
     torch.testing.assert_close(aux_grad, expected, rtol=1e-4, atol=1e-7)
 
 
-def _split_worker(weights_dir, grads_dir, init):
+def _split_worker(parallel, weights_dir, grads_dir, init):
     from megatron.core import parallel_state as ps
 
     from megatron_cascade.model import initialize_model_parallel, load_model_weights, save_model_weights
@@ -118,8 +118,8 @@ def _split_worker(weights_dir, grads_dir, init):
     from megatron_cascade.training.step import compute_gradients
 
     model_cfg = _with_coeff(MOE, "aux_loss", COEFF)
-    initialize_model_parallel(ParallelConfig(), seed=5)
-    policy = build_policy(model_cfg, ParallelConfig(), OptimizerConfig(lr=1e-3), total_steps=1)
+    initialize_model_parallel(parallel, seed=5)
+    policy = build_policy(model_cfg, parallel, OptimizerConfig(lr=1e-3), total_steps=1)
     (save_model_weights if init else load_model_weights)(policy.module, weights_dir, model_cfg)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = _batch().select(slice(rank * BATCH // dp, (rank + 1) * BATCH // dp))
@@ -128,8 +128,11 @@ def _split_worker(weights_dir, grads_dir, init):
     return full_state_dict(model_cfg, grads_dir)
 
 
-def test_micro_batch_aux_loss_gradient_does_not_depend_on_data_parallel(tmp_path):
-    reference = run_distributed(_split_worker, 1, str(tmp_path / "w"), str(tmp_path / "g1"), True)[0]
-    dp2 = run_distributed(_split_worker, 2, str(tmp_path / "w"), str(tmp_path / "g2"), False)[0]
-    for key, ref in reference.items():
-        torch.testing.assert_close(dp2[key], ref, atol=1e-6, rtol=1e-5, msg=lambda m: f"{key}: {m}")
+def test_micro_batch_aux_loss_gradient_does_not_depend_on_the_layout(tmp_path):
+    reference = run_distributed(_split_worker, 1, ParallelConfig(), str(tmp_path / "w"), str(tmp_path / "g"), True)[0]
+    layouts = {"dp2": ParallelConfig(),  # the SP split shards each sequence's router statistics over TP
+               "tp2-sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)}
+    for name, parallel in layouts.items():
+        grads = run_distributed(_split_worker, 2, parallel, str(tmp_path / "w"), str(tmp_path / name), False)[0]
+        for key, ref in reference.items():
+            torch.testing.assert_close(grads[key], ref, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name} {key}: {m}")
