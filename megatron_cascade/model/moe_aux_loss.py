@@ -51,14 +51,15 @@ def aux_loss_weights(weights: torch.Tensor) -> Iterator[None]:
         _ROW_WEIGHTS = previous
 
 
-def _current_weights(bsz: int, device: torch.device) -> torch.Tensor:
+def _current_weights(bsz: Optional[int], device: torch.device) -> torch.Tensor:
+    """The [B] weights set by ``aux_loss_weights`` (``bsz``: the rows the router saw, when it knows)."""
     if _ROW_WEIGHTS is None:
         raise RuntimeError(
             "an MoE router computed a load-balancing loss outside megatron_cascade's training step: run training "
             "forwards through training.loss_plugin.make_forward_step (it sets the per-sequence weights), or set "
             "model.moe.router_load_balancing_type=none"
         )
-    if _ROW_WEIGHTS.shape != (bsz,):
+    if bsz is not None and _ROW_WEIGHTS.shape != (bsz,):
         raise RuntimeError(f"aux-loss weights have shape {tuple(_ROW_WEIGHTS.shape)}, the micro-batch has {bsz} rows")
     return _ROW_WEIGHTS.to(device=device, dtype=torch.float32)
 
@@ -98,8 +99,7 @@ def _router_class():
             if aux_loss_name != "load_balancing_loss":
                 raise NotImplementedError(f"{aux_loss_name} is not supported (model.moe.router_load_balancing_type)")
             self._log_aux_loss(aux_loss_name, aux_loss / aux_loss_coeff)
-            bsz = _ROW_WEIGHTS.shape[0] if _ROW_WEIGHTS is not None else 0
-            return _attach(activation, aux_loss * _current_weights(bsz, aux_loss.device).sum())
+            return _attach(activation, aux_loss * _current_weights(None, aux_loss.device).sum())
 
         def _apply_expert_bias(self, routing_map, padding_mask=None):
             # megatron-core 0.16.1 masks [tokens, E] with a [tokens] mask (a broadcast error); the

@@ -93,7 +93,8 @@ def _state_dict_keys(model_cfg):
     theirs = GPTModel(config, spec, vocab_size=model_cfg.padded_vocab_size,
                       max_sequence_length=model_cfg.max_position_embeddings, position_embedding_type="rope",
                       share_embeddings_and_output_weights=model_cfg.tie_embeddings)
-    norms = [name for name, module in ours.named_modules() if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
+    norm_types = (torch.nn.RMSNorm, torch.nn.LayerNorm)
+    norms = [name for name, module in ours.named_modules() if isinstance(module, norm_types)]
     unmarked = [name for name, p in ours.named_parameters() if "norm" in name and not hasattr(p, "sequence_parallel")]
     return (sorted(ours.sharded_state_dict().keys()), sorted(theirs.sharded_state_dict().keys()),
             sorted(ours.state_dict().keys()), sorted(theirs.state_dict().keys()), norms, unmarked)
