@@ -27,6 +27,7 @@ import torch
 
 from megatron_cascade.model import CheckpointError, save_model_weights
 from megatron_cascade.model.checkpoint import _barrier, _rank, _signal_safe_writer_queue
+from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
 from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,12 @@ def _sub_optimizers(policy: Policy) -> list:
     return list(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]))
 
 
+def _model_sharded_state_dict(policy: Policy) -> dict:
+    """The model's sharded tensors under the weights' spec-independent (TE) names: the optimizer
+    state is keyed by them, so it resumes under another layer spec as the weights do."""
+    return canonical_sharded_state_dict(policy.module.sharded_state_dict())
+
+
 def _parallel_strategies(ckpt_dir: Optional[str] = None):
     """Fully parallel save (or load, with ``ckpt_dir``): data-parallel replicas split the work."""
     from megatron.core import parallel_state as ps
@@ -103,7 +110,7 @@ def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     _signal_safe_writer_queue()
     for opt in _sub_optimizers(policy):
         _allocate_state(opt)  # a checkpoint before the first step (e.g. all steps skipped so far)
-    state = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=False,
+    state = policy.optimizer.sharded_state_dict(_model_sharded_state_dict(policy), is_loading=False,
                                                 metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, ckpt_dir, sharded_strategy=_parallel_strategies())
 
@@ -111,8 +118,8 @@ def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
 def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     """Read ``save_optimizer_state``'s checkpoint into the policy's optimizer at this layout; collective.
 
-    Its tensors are found by the model's sharded-tensor keys (names, global shapes), so any layout
-    reads them; with bf16/fp16 the fp32 master weights come from here (finer than the 16-bit weights).
+    Its tensors are found by the model's sharded-tensor keys (spec-independent names, global shapes),
+    so any layout reads them; with bf16/fp16 the fp32 master weights come from here (finer than the 16-bit weights).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -120,7 +127,7 @@ def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     subs = _sub_optimizers(policy)
     for opt in subs:
         _allocate_state(opt)  # the load fills the optimizer's tensors in place
-    request = policy.optimizer.sharded_state_dict(policy.module.sharded_state_dict(), is_loading=True,
+    request = policy.optimizer.sharded_state_dict(_model_sharded_state_dict(policy), is_loading=True,
                                                   metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_parallel_strategies(ckpt_dir))
     states = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]

@@ -13,11 +13,13 @@ Also: a checkpoint of one optimizer kind is refused by the other, naming the key
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from megatron_cascade.config import ModelConfig, ParallelConfig
+from megatron_cascade.config.model import MoEConfig
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.testing.checkpoints import full_state_dict
@@ -137,25 +139,36 @@ def test_overlap_param_gather_checkpoint_right_after_a_step_holds_that_steps_wei
             torch.testing.assert_close(saved[key], want, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
-def _before_first_step_worker(parallel: ParallelConfig, root: str):
+def _same_process_resume_worker(parallel: ParallelConfig, model: ModelConfig, root: str, steps_before: int):
+    """One policy saves after ``steps_before`` steps, a second one loads that; both train 2 more steps."""
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
     from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
 
     initialize_model_parallel(parallel, seed=5)
-    uninterrupted = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)
-    save_training_checkpoint(root, 0, uninterrupted, {}, keep_last=1)  # e.g. every step so far was skipped
-    resumed = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)
-    load_training_checkpoint(os.path.join(root, "step_00000000"), resumed)
-    _train(uninterrupted, range(2))
-    _train(resumed, range(2))
+    uninterrupted = build_policy(model, parallel, OPTIM, total_steps=STEPS)
+    _train(uninterrupted, range(steps_before))
+    saved = save_training_checkpoint(root, steps_before, uninterrupted, {}, keep_last=1)
+    resumed = build_policy(model, parallel, OPTIM, total_steps=STEPS)
+    load_training_checkpoint(saved, resumed)
+    _train(uninterrupted, range(steps_before, steps_before + 2))
+    _train(resumed, range(steps_before, steps_before + 2))
     return [(a.detach().clone(), b.detach().clone())
             for a, b in zip(uninterrupted.module.parameters(), resumed.module.parameters())]
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
-def test_checkpoint_written_before_the_first_optimizer_step_resumes(tmp_path, distributed):
-    pairs = run_distributed(_before_first_step_worker, 1, ParallelConfig(use_distributed_optimizer=distributed),
-                            str(tmp_path / "ckpt"))[0]
+MOE = replace(MODEL, moe=MoEConfig(num_experts=2, router_topk=2))
+SAME_LAYOUT = [
+    # A checkpoint before the first optimizer step (e.g. every step so far skipped): no Adam state yet.
+    ("before_first_step_plain", ParallelConfig(), MODEL, 0),
+    ("before_first_step_distributed", ParallelConfig(use_distributed_optimizer=True), MODEL, 0),
+    # MoE: Megatron chains two optimizers (dense and expert parameters).
+    ("moe_chained_distributed", ParallelConfig(use_distributed_optimizer=True), MOE, 1),
+]
+
+
+@pytest.mark.parametrize("name,parallel,model,steps_before", SAME_LAYOUT, ids=[c[0] for c in SAME_LAYOUT])
+def test_resume_in_the_same_process_continues_identically(tmp_path, name, parallel, model, steps_before):
+    pairs = run_distributed(_same_process_resume_worker, 1, parallel, model, str(tmp_path / "ckpt"), steps_before)[0]
     for want, got in pairs:
         torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
