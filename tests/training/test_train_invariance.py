@@ -63,7 +63,7 @@ def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, i
 
     from megatron_cascade.model import initialize_model_parallel, load_model_weights, save_model_weights
     from megatron_cascade.training import LossSpec, build_policy
-    from megatron_cascade.training.step import compute_gradients
+    from megatron_cascade.training.step import compute_gradients, forward_logprobs
 
     initialize_model_parallel(parallel, seed=11)
     policy = build_policy(model, parallel, OptimizerConfig(lr=1e-3), total_steps=10)
@@ -76,7 +76,10 @@ def _gradient_worker(parallel, micro_batch_size, kind, weights_dir, grads_dir, i
     share = batch.select(slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp))
     loss = LossConfig(kl_coef=0.1, importance_correction="icepop", is_low=0.05, is_high=50.0)
     spec = LossSpec(kind, loss, temperature=0.7, vocab_size=VOCAB)
+    # Forward-only log-probs (PPO's old policy) come back at the batch's own length, padded or not.
+    logprobs = forward_logprobs(policy.chunks, share, spec, micro_batch_size)
     metrics = compute_gradients(policy, share, spec, TrainingConfig(micro_batch_size=micro_batch_size))
+    metrics["logprobs"] = logprobs
     metrics["expert_biases"] = _expert_biases(policy.module)  # updated by finalize_model_grads
     save_gradients_as_checkpoint(policy.module, grads_dir, model)
     return metrics, full_state_dict(model, grads_dir)
@@ -140,6 +143,8 @@ def _assert_same(result, reference):
     (metrics, grads), (ref_metrics, ref_grads) = result, reference
     assert abs(metrics["loss"] - ref_metrics["loss"]) < 1e-6
     assert metrics["tokens"] == ref_metrics["tokens"] == 66
+    rows = metrics["logprobs"].shape[0]  # rank 0's share of the batch
+    torch.testing.assert_close(metrics["logprobs"], ref_metrics["logprobs"][:rows], atol=1e-5, rtol=1e-5)
     nonzero = 0
     for key, ref in ref_grads.items():
         torch.testing.assert_close(grads[key], ref, atol=1e-6, rtol=1e-5, msg=lambda m: f"{key}: {m}")
