@@ -14,6 +14,7 @@ from megatron_cascade.training.loss_plugin import (
     local_normalizer_count,
     make_forward_step,
     make_logprob_step,
+    model_sequence_multiple,
 )
 from megatron_cascade.training.policy import Policy
 
@@ -52,6 +53,16 @@ def _run_schedule(chunks: list, forward_step, micros: list[TrainBatch], forward_
         micro_batch_size=micros[0].size,
         forward_only=forward_only,
     )
+
+
+def _schedulable(batch: TrainBatch, chunks: list, micro_batch_size: int) -> TrainBatch:
+    """``batch`` padded to whole micro-batches and to the layout's sequence multiple (SP / CP / FP8).
+
+    The sequence padding happens here, for the whole batch, because the pipeline schedule sends
+    [S/TP, b, H] activations between stages with one shape for every micro-batch (padding inside
+    the loss would be too late under PP). Padding rows and positions carry no loss."""
+    return batch.padded_to_multiple(micro_batch_size).padded_sequences_to_multiple(
+        model_sequence_multiple(chunks[0]))
 
 
 def _metrics_device(keys: tuple, per_micro: list[dict]) -> torch.device:
@@ -104,7 +115,8 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     if policy.parallel.context_parallel_size > 1:
         raise NotImplementedError("parallel.context_parallel_size > 1: splitting sequences over CP ranks "
                                   "is not implemented in the training step")
-    micros = list(batch.padded_to_multiple(training.micro_batch_size).micro_batches(training.micro_batch_size))
+    micros = list(_schedulable(batch, policy.chunks, training.micro_batch_size).micro_batches(
+        training.micro_batch_size))
     normalizer = global_normalizer(spec, batch)
     _zero_grads(policy)
     for chunk in policy.chunks:
@@ -186,7 +198,7 @@ def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batc
     modes = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()
-    padded = batch.padded_to_multiple(micro_batch_size)
+    padded = _schedulable(batch, chunks, micro_batch_size)
     sink: list[torch.Tensor] = []
     try:
         _run_schedule(chunks, make_logprob_step(spec, _tp_group(), sink), list(padded.micro_batches(micro_batch_size)),
@@ -198,5 +210,5 @@ def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batc
     if ps.get_pipeline_model_parallel_world_size() > 1:
         last = ps.get_pipeline_model_parallel_last_rank()
         dist.broadcast(out, src=last, group=ps.get_pipeline_model_parallel_group())
-    return out[: batch.size]
+    return out[: batch.size, : batch.seq_length]
 

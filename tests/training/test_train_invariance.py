@@ -3,8 +3,8 @@
 One global batch of 8 sequences of 23 positions with very different lengths (1 to 20 valid response
 tokens), with GRPO (advantages, sampler log-probs for the IS correction, a KL reference) and MOPD
 (teacher log-probs, sequence normalisation). Reference: one process, one micro-batch. Then 4
-micro-batches, DP=2, TP=2, TP=2 + sequence parallel (23 positions: padded to 24 for SP) and PP=2 (each
-with 2 micro-batches per rank). Gradients are compared whole (through a distributed checkpoint
+micro-batches, DP=2, TP=2, TP=2 + sequence parallel (23 positions: padded to 24 for SP), PP=2 (each
+with 2 micro-batches per rank) and PP=2 x TP=2 + SP. Gradients are compared whole (through a distributed checkpoint
 re-assembled at TP=1) to 1e-6 in fp32.
 
 The MoE model (4 experts, top-2, sigmoid scores with expert bias, a per-sequence load-balancing loss
@@ -104,6 +104,9 @@ SPLITS = [
     ("tp2-sp", 2, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4),
     ("pp2", 2, ParallelConfig(pipeline_model_parallel_size=2), 2),
 ]
+# PP with SP: the pipeline passes [S/TP, b, H] activations between stages, so the whole batch is
+# padded to the SP multiple before the schedule (not per micro-batch inside the loss).
+PP_SP = ParallelConfig(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "mopd"])
@@ -113,6 +116,12 @@ def test_gradient_is_invariant_to_the_split(reference, kind, name, world, parall
     tmp = reference["tmp"]
     results = run_distributed(_gradient_worker, world, parallel, mbs, kind, f"{tmp}/w", f"{tmp}/{name}_{kind}", False)
     _assert_same(results[0], (ref_metrics, ref_grads))
+
+
+def test_gradient_is_invariant_at_pp2_tp2_sp(reference):
+    tmp = reference["tmp"]
+    results = run_distributed(_gradient_worker, 4, PP_SP, 2, "grpo", f"{tmp}/w", f"{tmp}/pp2-tp2-sp", False)
+    _assert_same(results[0], reference["grpo"])
 
 
 MOE_SPLITS = [
