@@ -31,7 +31,9 @@ _NON_ARCHITECTURE_FIELDS = {
     "precision", "attention_dropout", "hidden_dropout", "init_method_std", "fp8",
     "max_position_embeddings",
 }
-_NON_ARCHITECTURE_MOE_FIELDS = {"token_dispatcher_type", "grouped_gemm", "aux_loss_coeff", "router_load_balancing_type"}
+_NON_ARCHITECTURE_MOE_FIELDS = {
+    "token_dispatcher_type", "grouped_gemm", "aux_loss_coeff", "router_load_balancing_type", "router_bias_update_rate",
+}
 
 
 class CheckpointError(RuntimeError):
@@ -58,7 +60,9 @@ def read_model_config(ckpt_dir: str) -> dict[str, Any]:
 def check_architecture(ckpt_dir: str, model: ModelConfig) -> None:
     """Raise ``CheckpointError`` if the checkpoint in ``ckpt_dir`` was made for another architecture."""
     saved = read_model_config(ckpt_dir)
-    saved_arch = saved.get("architecture", saved)
+    # A field missing from the file was added to the config after the checkpoint was written: the
+    # checkpoint was trained with that field's default.
+    saved_arch = _with_defaults(saved.get("architecture", saved), architecture_of(ModelConfig()))
     wanted = architecture_of(model)
     diffs = _diff(saved_arch, wanted)
     if diffs:
@@ -67,6 +71,16 @@ def check_architecture(ckpt_dir: str, model: ModelConfig) -> None:
             f"checkpoint {ckpt_dir} was saved from another architecture than the configured model:\n{lines}\n"
             "Fix the model section of the config (or convert the checkpoint) so that they match."
         )
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_defaults(out[key], value)
+    return out
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
