@@ -220,7 +220,7 @@ def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None
     from megatron_cascade.training.policy import validate_optimizer_config
 
     try:
-        validate_optimizer_config(stage.optimizer)
+        validate_optimizer_config(stage.optimizer, cfg.model)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     for (section, key), choices in _CHOICES.items():

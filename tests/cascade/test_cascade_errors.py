@@ -33,6 +33,7 @@ def short(tmp_path):
     ("stages.if_rl.optimizer.lr_decay_style=step", r"lr_decay_style='step' is not one of"),
     ("loss.importance_correction=clip", r"importance_correction='clip' is not one of"),
     ("stages.if_rl.rollout.max_new_tokens=1000", "leaves no room for the prompt"),
+    ("stages.if_rl.optimizer.initial_loss_scale=1024", r"\(if_rl\): optimizer.initial_loss_scale.*fp16 only"),
 ])
 def test_config_mistakes_name_the_key(short, override, message):
     with pytest.raises(ConfigError, match=message):
