@@ -169,7 +169,8 @@ class StageRunner:
         if self.ctx.preemption.requested():
             save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
                                      self.cfg.checkpoint.keep_last)
-            raise Preempted(f"stage {self.stage.name}: checkpointed at step {done} on a preemption signal")
+            raise Preempted(f"stage {self.stage.name}: checkpointed at step {done} on a preemption signal "
+                            "or before the job's time limit")
         if every and done % every == 0 and done < self.stage.steps:
             save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
                                      self.cfg.checkpoint.keep_last)
