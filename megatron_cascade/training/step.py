@@ -187,18 +187,63 @@ def optimize_on_batch(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     return metrics
 
 
+def expert_lockstep_needed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an MoE whose expert-parallel group holds ranks of other data-parallel
+    replicas: their MoE all-to-alls then pair this rank's forwards with theirs, so every replica
+    must run as many forwards (a rank with less work runs dummy ones). No communication: a
+    comparison of group memberships. ``model`` may be wrapped (DDP, Float16Module)."""
+    from megatron.core.utils import get_model_config
+
+    ps = _parallel_state()
+    if not get_model_config(model).num_moe_experts or ps.get_expert_model_parallel_world_size() <= 1:
+        return False
+    experts = set(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+    replica = set(dist.get_process_group_ranks(ps.get_model_parallel_group()))
+    return not experts <= replica
+
+
+def lockstep_count(local: int) -> int:
+    """The largest ``local`` over all data-parallel replicas (one all-reduce of one integer).
+
+    Reduced over the data-parallel group rather than the expert-parallel group: every replica is
+    in it, so all ranks of a replica (its TP/PP ranks too, which sit in different EP groups) get
+    the same figure and keep their own collectives in step as well."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    count = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=_parallel_state().get_data_parallel_group())
+    return int(count.item())
+
+
+def _with_rows(batch: TrainBatch, rows: int) -> TrainBatch:
+    """``batch`` with fully masked padding rows appended up to ``rows`` rows (an empty batch becomes
+    all padding: a dummy forward that keeps this rank in step, its log-probs thrown away)."""
+    if batch.size == 0:
+        shape = (rows, max(batch.seq_length, 1))
+        return TrainBatch(input_ids=torch.zeros(shape, dtype=torch.long), target_ids=torch.zeros(shape, dtype=torch.long),
+                          loss_mask=torch.zeros(shape), padding_mask=torch.ones(shape, dtype=torch.bool))
+    return batch.padded_to_multiple(rows) if rows > batch.size else batch
+
+
 @torch.no_grad()
 def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int) -> torch.Tensor:
     """[B, S] log-probs of ``batch.target_ids`` under the model in ``chunks`` (forward only).
 
     Works for the policy and for frozen models (teachers, references); the result is broadcast from
-    the last pipeline stage, so every rank gets it.
+    the last pipeline stage, so every rank gets it. Collective over the model-parallel group and,
+    for an MoE whose experts span data-parallel ranks (``expert_lockstep_needed``), over the
+    data-parallel group: every replica then runs the largest micro-batch count of any (its own
+    rows padded, no loss), as the MoE all-to-all needs. ``B`` may be 0 (dummy forwards only).
     """
     ps = _parallel_state()
+    micros = -(-batch.size // micro_batch_size)
+    if expert_lockstep_needed(chunks[0]):
+        micros = lockstep_count(micros)
+    if micros == 0:
+        return torch.empty(batch.input_ids.shape, dtype=torch.float32)
     modes = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()
-    padded = _schedulable(batch, chunks, micro_batch_size)
+    padded = _schedulable(_with_rows(batch, micros * micro_batch_size), chunks, micro_batch_size)
     sink: list[torch.Tensor] = []
     try:
         _run_schedule(chunks, make_logprob_step(spec, _tp_group(), sink), list(padded.micro_batches(micro_batch_size)),
@@ -211,4 +256,3 @@ def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batc
         last = ps.get_pipeline_model_parallel_last_rank()
         dist.broadcast(out, src=last, group=ps.get_pipeline_model_parallel_group())
     return out[: batch.size, : batch.seq_length]
-
