@@ -121,9 +121,6 @@ def check_runnable(cfg: RunConfig, layout: Layout) -> None:
         raise ConfigError(f"parallel.sequence_parallel=true: generation (rollout/generate.py) does not run with "
                           f"sequence parallelism, and these generate: {generating}; use TP=1 (with EP) for an "
                           "MoE model, or drop sequence_parallel for a dense one")
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
-        raise ConfigError("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
-                          "(Megatron's DDP gathers parameters only from distributed-optimizer shards)")
     if m.moe.num_experts and m.moe.token_dispatcher_type == "flex":
         raise ConfigError("model.moe.token_dispatcher_type=flex needs DeepEP/HybridEP, which megatron-cascade "
                           "neither installs nor tests; use alltoall")

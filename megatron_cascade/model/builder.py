@@ -115,7 +115,7 @@ def _validate_fp8(model: ModelConfig) -> None:
     _check_choice("model.fp8.amax_compute_algo", fp8.amax_compute_algo, ("max", "most_recent"))
     if fp8.amax_history_len < 1:
         raise ConfigError(f"model.fp8.amax_history_len={fp8.amax_history_len} must be >= 1")
-    if fp8.format is not None and model.precision == "fp32":
+    if fp8.format is not None and model.precision != "bf16":
         raise ConfigError("model.fp8.format needs model.precision=bf16 (FP8 GEMMs with bf16 master compute)")
 
 

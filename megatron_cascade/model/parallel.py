@@ -88,6 +88,10 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         )
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
+    if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
+        # Megatron's DDP would ignore the flag: refuse it rather than silently do nothing.
+        raise ConfigError("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
+                          "(Megatron's DDP gathers parameters only from distributed-optimizer shards)")
     if check_this_machine and cp > 1 and not transformer_engine_available():
         raise ConfigError("parallel.context_parallel_size > 1 needs Transformer Engine on a CUDA device "
                           "(not available here)")

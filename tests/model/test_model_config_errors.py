@@ -23,6 +23,7 @@ MOE = replace(BASE, moe=MoEConfig(num_experts=4))
     (MOE, ParallelConfig(expert_model_parallel_size=3), 3, "expert_model_parallel_size=3 does not divide"),
     (MOE, ParallelConfig(tensor_model_parallel_size=2), 2, "needs parallel.sequence_parallel=true"),
     (BASE, ParallelConfig(sequence_parallel=True), 1, "sequence_parallel=true needs"),
+    (BASE, ParallelConfig(overlap_param_gather=True), 1, "overlap_param_gather=true needs parallel.use_distributed"),
     (BASE, ParallelConfig(tensor_model_parallel_size=0), 1, "must be >= 1"),
     (replace(BASE, make_vocab_size_divisible_by=1, vocab_size=201), ParallelConfig(tensor_model_parallel_size=2),
      2, "does not divide padded vocab size=201"),
@@ -48,6 +49,7 @@ def test_good_layout_resolves_data_parallel_size():
     (replace(BASE, fp8=FP8Config(format="e5m2")), "model.fp8.format='e5m2'"),
     (replace(BASE, fp8=FP8Config(format="hybrid", recipe="magic")), "model.fp8.recipe='magic'"),
     (replace(BASE, fp8=FP8Config(format="hybrid")), "needs model.precision=bf16"),
+    (replace(BASE, precision="fp16", fp8=FP8Config(format="hybrid")), "needs model.precision=bf16"),
     (replace(BASE, kv_channels=15), "even head dim"),
 ])
 def test_bad_model_config(model, message):
