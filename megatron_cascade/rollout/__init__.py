@@ -1,9 +1,10 @@
-"""Rollout generation from the Megatron-Core model being trained (KV cache, TP, PP)."""
+"""Rollout generation from the Megatron-Core model being trained (paged KV cache, continuous batching,
+TP / SP / PP / EP)."""
 
 from megatron_cascade.rollout.batch import FinishReason, RolloutBatch, RolloutSample
 from megatron_cascade.rollout.generate import generate
 from megatron_cascade.rollout.packing import PackedRollouts, pack_rollouts
-from megatron_cascade.rollout.params import SamplingParams
+from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 
-__all__ = ["SamplingParams", "generate", "RolloutBatch", "RolloutSample", "FinishReason",
+__all__ = ["SamplingParams", "KVCacheConfig", "generate", "RolloutBatch", "RolloutSample", "FinishReason",
            "PackedRollouts", "pack_rollouts"]

@@ -1,19 +1,18 @@
-"""``generate``: batched sampling from the Megatron-Core model being trained."""
+"""``generate``: sampling from the Megatron-Core model being trained, on a paged KV cache."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from megatron_cascade.rollout.batch import RolloutBatch, RolloutSample
-from megatron_cascade.rollout.comm import share_step
-from megatron_cascade.rollout.layout import PaddedBatch, left_pad
-from megatron_cascade.rollout.model_runner import StepRunner, accepts_padding_mask, unwrap_model
-from megatron_cascade.rollout.params import SamplingParams
-from megatron_cascade.rollout.sampling import SampleOutput, sample
-from megatron_cascade.rollout.stopping import StopCriteria
+from megatron_cascade.rollout.engine import PagedGenerator
+from megatron_cascade.rollout.model_runner import unwrap_model
+from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
+from megatron_cascade.rollout.stage_forward import sequence_parallel_off
+from megatron_cascade.rollout.static import generate_static
 from megatron_cascade.tokenizers.base import Tokenizer
 
 
@@ -25,99 +24,71 @@ def generate(
     tokenizer: Tokenizer,
     max_sequence_length: Optional[int] = None,
     use_kv_cache: bool = True,
+    kv_cache: Optional[KVCacheConfig] = None,
+    on_finished: Optional[Callable[[int, RolloutSample], None]] = None,
 ) -> RolloutBatch:
-    """Sample ``params.n`` responses for each prompt; collective over the model-parallel group.
+    """Sample ``params.n`` responses for each prompt; collective over the model-parallel group
+    (and over the expert-parallel group: see below).
 
     Every TP and PP rank of a model replica must call it with the same arguments; all of them
-    return the same ``RolloutBatch``. The model runs in eval mode under ``torch.no_grad()`` and is
-    put back into its previous mode afterwards.
+    return the same ``RolloutBatch``. The model runs in eval mode under ``torch.no_grad()`` with
+    sequence parallelism off, and is put back as it was afterwards.
 
     Args:
         model: this rank's ``GPTModel`` (optionally inside DDP / Float16Module); not a list of
             virtual-pipeline chunks.
-        prompts: token ids per prompt (lengths may differ).
+        prompts: token ids per prompt (lengths may differ); may be empty (an empty batch returns,
+            after taking part in the expert-parallel lockstep).
         params: sampling parameters.
         tokenizer: its ``vocab_size`` bounds the ids that can be sampled (the model's padded
             vocabulary rows beyond it never are), its ``eos_id`` stops responses unless
             ``params.ignore_eos``, and ``decode`` serves ``params.stop_strings``; its ``pad_id``
-            fills the padding.
+            fills the static path's padding.
         max_sequence_length: prompt + response limit in tokens; default the model's
             ``max_sequence_length`` (``model.max_position_embeddings``).
-        use_kv_cache: True: Megatron's static KV cache; False: recompute the prefix every token.
+        use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``);
+            False: the static batch recomputing the whole prefix every token (the reference).
+        kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
+            half the free memory); requests that do not fit wait, one that never can is refused.
+        on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
+            sample finishes, while the others decode on (``sample_index`` indexes the returned
+            batch); e.g. to start scoring it.
 
-    Prompts of different lengths are left-padded into one batch (see ``layout.py``); with attention
-    that cannot take a padding mask (Transformer Engine) they are batched by prompt length instead.
-    One generator seeded with ``params.seed`` drives all batches, so the result is reproducible for
-    the same prompts, params and model; across TP/PP layouts it agrees up to the float rounding of
-    the logits (the tests check TP=2 and PP=2 against one process). Data-parallel replicas are
-    independent: each calls ``generate`` on its own prompts (give them different seeds).
+    Sampling noise is a hash of (``params.seed``, prompt index, sample index, position), so a
+    response does not depend on the batch it ran in, the KV budget or the TP/PP layout (up to the
+    float rounding of the logits: the tests check TP=2, PP=2 and TP=2+SP against one process).
+    Data-parallel replicas are independent: each calls ``generate`` on its own prompts (give them
+    different seeds), except that with expert parallelism the ranks of an EP group step together.
 
     Returns:
         ``RolloutBatch`` with ``len(prompts) * params.n`` samples, prompt-major.
     """
     gpt = _check_model(model)
-    if not prompts:
-        raise ValueError("generate() needs at least one prompt")
-    rows = [list(p) for p in prompts for _ in range(params.n)]
     limit = max_sequence_length or gpt.max_sequence_length
-    device = next(gpt.parameters()).device
-    samples = [RolloutSample(prompt_index=i // params.n, sample_index=i % params.n, prompt_ids=row)
-               for i, row in enumerate(rows)]
-    stop = StopCriteria(params, tokenizer)
-    generator = torch.Generator(device=device).manual_seed(params.seed)
-    with _eval_mode(model), torch.no_grad():
-        for group in _batches(rows, accepts_padding_mask(model)):
-            batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
-            runner = StepRunner(model, batch, use_kv_cache)
-            _decode_loop(runner, batch, [samples[i] for i in group], params, stop, generator,
-                         tokenizer.vocab_size)
+    samples = [RolloutSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt))
+               for p, prompt in enumerate(prompts) for k in range(params.n)]
+    budgets = _budgets(samples, params.max_new_tokens, limit)
+    with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
+        if use_kv_cache:
+            PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
+                           on_finished).run()
+        elif samples:
+            generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=False,
+                            on_finished=on_finished)
     return RolloutBatch(samples, params)
 
 
-def _batches(rows: list[list[int]], padding_ok: bool) -> list[list[int]]:
-    """Row indices per forward batch: all rows at once (left-padded), or one batch per prompt
-    length where the attention cannot mask padding (no padding is then needed)."""
-    if padding_ok:
-        return [list(range(len(rows)))]
-    by_length: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        by_length.setdefault(len(row), []).append(i)
-    return list(by_length.values())
-
-
-def _decode_loop(runner: StepRunner, batch: PaddedBatch, samples: list[RolloutSample], params: SamplingParams,
-                 stop: StopCriteria, generator: torch.Generator, vocab_size: int) -> None:
-    """Sample column after column until every row is finished; fills ``samples`` (one per row)."""
-    active = set(range(batch.batch_size))
-    for column in range(batch.prompt_width, batch.max_length):
-        logits = runner.step(column)
-        local = sample(logits, params, vocab_size, generator) if logits is not None else None
-        out = share_step(local, batch.batch_size, batch.tokens.device)
-        batch.append(column, out.tokens)
-        # Finished rows keep being fed their sampled tokens (the batch shape is static); their
-        # results are no longer recorded and the padding mask does not matter for them.
-        active -= _record(out, samples, active, stop, batch.budgets)
-        if not active:
-            return
-
-
-def _record(out: SampleOutput, samples: list[RolloutSample], active: set[int], stop: StopCriteria,
-            budgets: list[int]) -> set[int]:
-    """Append this step's token to each active sample; return the rows that just finished."""
-    tokens = out.tokens.tolist()
-    temp_lp = out.temperature_logprobs.tolist()
-    sampled_lp = out.sampled_logprobs.tolist()
-    finished = set()
-    for row in active:
-        s = samples[row]
-        s.response_ids.append(tokens[row])
-        s.response_logprobs.append(temp_lp[row])
-        s.sampled_logprobs.append(sampled_lp[row])
-        reason = stop.check(s.response_ids, budgets[row])
-        if reason is not None:
-            s.finish_reason = reason
-            finished.add(row)
-    return finished
+def _budgets(samples: list[RolloutSample], max_new_tokens: int, limit: int) -> list[int]:
+    """Per sample ``min(max_new_tokens, limit - len(prompt))``; raises if a prompt is empty or
+    leaves no room under ``limit``."""
+    if any(not s.prompt_ids for s in samples):
+        raise ValueError("every prompt must have at least one token")
+    budgets = [min(max_new_tokens, limit - len(s.prompt_ids)) for s in samples]
+    if budgets and min(budgets) < 1:
+        longest = max(len(s.prompt_ids) for s in samples)
+        raise ValueError(f"a prompt has {longest} tokens, leaving no room to generate under "
+                         f"max_sequence_length={limit}")
+    return budgets
 
 
 def _check_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -127,9 +98,9 @@ def _check_model(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(gpt.config, "virtual_pipeline_model_parallel_size", None):
         raise ValueError("generate() does not support virtual pipeline parallelism "
                          "(parallel.virtual_pipeline_model_parallel_size)")
-    if getattr(gpt.config, "sequence_parallel", False) or getattr(gpt.config, "context_parallel_size", 1) > 1:
-        raise ValueError("generate() does not support parallel.sequence_parallel or "
-                         "parallel.context_parallel_size > 1 (decode steps have one token per row)")
+    if getattr(gpt.config, "context_parallel_size", 1) > 1:
+        raise ValueError("generate() does not support parallel.context_parallel_size > 1 "
+                         "(decode steps have one token per request)")
     return gpt
 
 

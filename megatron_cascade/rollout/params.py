@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether sampling is deterministic argmax."""
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How much memory the paged KV cache of ``generate`` may hold (per rank).
+
+    Attributes:
+        kv_cache_bytes: the budget in bytes for this rank's KV blocks (its pipeline stage's layers,
+            its tensor-parallel share of the KV heads); None: ``kv_cache_fraction`` of free memory.
+        kv_cache_fraction: with ``kv_cache_bytes`` None, this fraction of the device's free memory
+            when ``generate`` starts (``torch.cuda.mem_get_info``; on CPU of available RAM).
+        block_size_tokens: tokens per KV block (Megatron's default 256; flash-attn 2 paged kernels
+            need a multiple of 256 on GPU, FA3 any size).
+
+    Requests that do not fit wait until finished ones release their blocks; one that can never fit
+    (its prompt plus its response budget needs more blocks than the whole budget) is refused with a
+    ValueError naming the keys. Only what the call can use is allocated (never more than the budget).
+    """
+
+    kv_cache_bytes: Optional[int] = None
+    kv_cache_fraction: float = 0.5
+    block_size_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"rollout.kv_cache_bytes={self.kv_cache_bytes} must be > 0 (or null)")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"rollout.kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]")
+        if self.block_size_tokens < 1:
+            raise ValueError(f"rollout.kv_block_size_tokens={self.block_size_tokens} must be >= 1")

@@ -69,12 +69,13 @@ def temperature_logprobs(logits: torch.Tensor, temperature: float, vocab_size: i
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
-           generator: torch.Generator | None) -> SampleOutput:
+           generator: torch.Generator | None, gumbel: torch.Tensor | None = None) -> SampleOutput:
     """Sample one token per row of ``logits [B, V_padded]``.
 
-    Sampling uses the Gumbel-max trick with noise from ``generator``, so the result is a pure
-    function of the logits and the generator state: every tensor-parallel rank, given the same
-    gathered logits and an identically seeded generator, picks the same tokens.
+    Sampling uses the Gumbel-max trick with noise ``gumbel [B, V_padded]`` when given (``generate``
+    passes counter-based noise, see ``noise.py``), else drawn from ``generator``; the result is a
+    pure function of the logits and the noise: every tensor-parallel rank, given the same gathered
+    logits and the same noise, picks the same tokens.
     """
     logits = logits.float()
     full_logprobs = temperature_logprobs(logits, params.temperature, vocab_size)
@@ -84,7 +85,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
         sampled_lp = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
     else:
         filtered = filter_top_p(filter_top_k(allowed / params.temperature, params.top_k), params.top_p)
-        tokens = (filtered + _gumbel_noise(filtered.shape, generator, filtered.device)).argmax(dim=-1)
+        noise = gumbel if gumbel is not None else _gumbel_noise(filtered.shape, generator, filtered.device)
+        tokens = (filtered + noise).argmax(dim=-1)
         sampled_lp = _pick(torch.log_softmax(filtered, dim=-1), tokens)
     return SampleOutput(tokens, _pick(full_logprobs, tokens), sampled_lp)
 

@@ -16,7 +16,9 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
   report ``torch.cuda.*Tensor`` type names: both sort parameters into fp16/bf16 vs fp32 groups by
   ``param.type()`` and refuse anything but CUDA names (bf16/fp16 training with fp32 master weights);
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
-  alltoall dispatcher passes).
+  alltoall dispatcher passes);
+* the flash-attn paged-KV kernels of Megatron's dynamic inference attention get torch stand-ins
+  (``megatron_cascade/rollout/cpu_paged_attention.py``).
 
 It is a process-wide switch: call it once, before building models, in every worker process.
 On a machine with a GPU do not call it.
@@ -132,6 +134,15 @@ def _patch_megatron() -> None:
     router.router_gating_linear = router_gating_linear
     _patch_grad_clipping()
     _patch_optimizer_type_checks()
+    _patch_paged_attention()
+
+
+def _patch_paged_attention() -> None:
+    """Torch stand-ins for the flash-attn paged-KV kernels of Megatron's dynamic inference path
+    (``generate`` runs on a ``DynamicInferenceContext``)."""
+    from megatron_cascade.rollout.cpu_paged_attention import install
+
+    install()
 
 
 @contextlib.contextmanager

@@ -114,15 +114,14 @@ def _stop_checks(model, greedy_row0: list[int]) -> dict:
 
 
 def _generate_grouped_by_length(model):
-    """The path taken for attention that cannot mask padding (TE): one batch per prompt length."""
-    import importlib
+    """The static path's batching for attention that cannot mask padding (TE): one batch per prompt
+    length (the paged path packs requests and never pads)."""
     from unittest import mock
 
-    # The package exports the function ``generate``, which shadows the submodule's attribute name.
-    generate_module = importlib.import_module("megatron_cascade.rollout.generate")
+    from megatron_cascade.rollout import static
 
-    with mock.patch.object(generate_module, "accepts_padding_mask", return_value=False) as probe:
-        batch = generate(model, PROMPTS + PROMPTS[:1], GREEDY, tokenizer=TOKENIZER)
+    with mock.patch.object(static, "accepts_padding_mask", return_value=False) as probe:
+        batch = generate(model, PROMPTS + PROMPTS[:1], GREEDY, tokenizer=TOKENIZER, use_kv_cache=False)
     assert probe.called
     return batch
 

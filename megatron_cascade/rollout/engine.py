@@ -1,0 +1,215 @@
+"""The continuous-batching generator: every prompt x sample of a ``generate`` call through one
+paged KV cache, requests entering as blocks free up and leaving the moment they finish.
+
+Each step: admit waiting prompts (FIFO) while the KV budget, the request slots and the step's
+token limit allow; run one forward over the packed tokens of every live request (prefill chunks
+of new prompts and one decode token per older request, mixed); sample one token per request
+(``sampling.sample``: the trainer's log-prob convention); record it, test the stop criteria and
+hand finished samples to ``on_finished``; then let the context release their blocks.
+
+A prompt's ``n`` samples share one prefill: the prompt enters as one request, its logits give the
+first token of each sample admitted with it, and the context forks the request into copies of its
+KV blocks (``PagedContext.fork``) before the step's bookkeeping.
+
+Memory: each admitted sample reserves the blocks of its prompt plus its whole response budget, so
+a running request never waits for a block (Megatron's pause / evict / recompute never triggers)
+and the cache never grows past the budget; samples that do not fit wait for releases. This is
+conservative when most responses stop early: an optimistic admission with eviction (Megatron's
+engine) would run more requests at once; it is left for when a GPU profile says it matters.
+
+Expert-parallel lockstep: MoE all-to-alls need every rank of the expert-parallel group in every
+forward. One all-reduce (MAX over the EP group) per step decides whether any rank still has work;
+a rank without (finished early, or called with no prompts) runs a dummy forward instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.rollout.batch import RolloutSample
+from megatron_cascade.rollout.comm import share_step
+from megatron_cascade.rollout.kv_budget import kv_layout, usable_blocks
+from megatron_cascade.rollout.noise import gumbel_noise, sample_key
+from megatron_cascade.rollout.paged_context import PagedContext, build_context
+from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
+from megatron_cascade.rollout.sampling import sample
+from megatron_cascade.rollout.stage_forward import StageForward
+from megatron_cascade.rollout.stopping import StopCriteria
+from megatron_cascade.tokenizers.base import Tokenizer
+
+OnFinished = Callable[[int, RolloutSample], None]
+# Megatron's default step limit (prefill activation memory); raised to fit the longest prompt.
+_MAX_TOKENS_PER_STEP = 16384
+
+
+class PagedGenerator:
+    """Runs one ``generate`` call's samples to completion on this rank (collective over the
+    model-parallel group, and over the expert-parallel group when EP > 1).
+
+    Args:
+        samples: one per (prompt, sample), prompt-major, ``prompt_ids`` set; filled in place.
+        budgets: per sample, the most tokens it may generate (>= 1).
+    """
+
+    def __init__(self, model: torch.nn.Module, samples: list[RolloutSample], budgets: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer, kv_cache: KVCacheConfig,
+                 on_finished: Optional[OnFinished] = None) -> None:
+        self.forward = StageForward(model)
+        self.samples, self.budgets, self.params = samples, budgets, params
+        self.vocab_size = tokenizer.vocab_size
+        self.stop = StopCriteria(params, tokenizer)
+        self.on_finished = on_finished
+        self.device = self.forward.device
+        self.keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
+                                 dtype=torch.int64, device=self.device)
+        self.queue: deque[list[int]] = deque(_groups(samples))
+        self.forks: dict[int, list[int]] = {}
+        self.ctx: Optional[PagedContext] = None
+        if samples:
+            self._build(kv_cache)
+        self.steps = 0
+
+    def _build(self, kv_cache: KVCacheConfig) -> None:
+        layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
+        lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
+        self.reserve = [layout.blocks_for(n) for n in lengths]
+        self.usable = usable_blocks(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve))
+        self.reserved = 0
+        longest_prompt = max(len(s.prompt_ids) for s in self.samples)
+        max_requests = min(len(self.samples), self.usable)
+        max_tokens = max(_MAX_TOKENS_PER_STEP, longest_prompt + max_requests)
+        tp = self.forward.tp_size
+        # Both are padded to multiples of the TP size (sequence-parallel MoE layers split the step).
+        max_requests, max_tokens = _round_up(max_requests, tp), _round_up(max_tokens, tp)
+        self.ctx = build_context(layout, self.usable, max_requests, max_tokens, max(lengths))
+
+    def run(self) -> None:
+        """Generate until every sample on every rank of the EP group is finished."""
+        from megatron.core import parallel_state as ps
+
+        ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        while True:
+            self._admit()
+            has_work = self.ctx is not None and self.ctx.total_request_count > 0
+            if self.queue and not has_work:
+                raise RuntimeError("generate: requests wait but none runs (KV reservation bookkeeping is off)")
+            any_work = has_work
+            if ep_group is not None:
+                flag = torch.tensor([int(has_work)], dtype=torch.int64, device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ep_group)
+                any_work = bool(flag.item())
+            if not any_work:
+                return
+            self.steps += 1
+            if has_work:
+                self._step()
+            else:
+                self.forward.dummy()
+
+    def _admit(self) -> None:
+        """Add waiting prompts while blocks (reserved for their whole budget), request slots and
+        the step's token limit allow; FIFO, so the order of admission is deterministic."""
+        from megatron.core.inference.inference_request import DynamicInferenceRequest
+        from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+
+        ctx = self.ctx
+        pending_forks = 0
+        while self.queue:
+            group = self.queue[0]
+            first = group[0]
+            prompt = self.samples[first].prompt_ids
+            if ctx.active_token_count + len(prompt) > ctx.max_tokens:
+                return
+            slots = ctx.max_requests - ctx.total_request_count - pending_forks
+            fits = (self.usable - self.reserved) // self.reserve[first]
+            take = min(len(group), slots, fits)
+            if take == 0:
+                return
+            admitted, rest = group[:take], group[take:]
+            if rest:
+                self.queue[0] = rest
+            else:
+                self.queue.popleft()
+            request = DynamicInferenceRequest(
+                request_id=first, prompt_tokens=torch.tensor(prompt, dtype=torch.long, device=self.device),
+                sampling_params=MegatronSamplingParams(num_tokens_to_generate=self.budgets[first], termination_id=-1))
+            ctx.add_request(request)
+            self.reserved += sum(self.reserve[i] for i in admitted)
+            self.forks[first] = admitted[1:]
+            pending_forks += take - 1
+
+    def _step(self) -> None:
+        ctx = self.ctx
+        ctx.initialize_attention_state()
+        input_ids, position_ids = ctx.current_input_and_position_ids()
+        logits = self.forward(input_ids, position_ids, ctx)
+        order = ctx.active_request_ids()
+        rows, sources, children = [], [], []
+        for j, rid in enumerate(order):
+            rows.append(rid)
+            sources.append(j)
+            for child in self.forks.pop(rid, ()):
+                rows.append(child)
+                sources.append(j)
+                children.append((j, child))
+        out = share_step(self._sample(logits, rows, sources), len(rows), self.device)
+        for j, child in children:
+            ctx.fork(ctx.paused_request_count + j, child)
+        # Bookkeeping order after the forks: the step's requests, then the forked children.
+        bookkeeping = order + [child for _, child in children]
+        finished = self._record(rows, out)
+        position = {rid: i for i, rid in enumerate(rows)}
+        take = torch.tensor([position[rid] for rid in bookkeeping], device=self.device)
+        mask = torch.tensor([rid not in finished for rid in bookkeeping], dtype=torch.uint8, device=self.device)
+        ctx.update_requests(mask, out.tokens[take].clone())
+        if ctx.paused_request_count:
+            raise RuntimeError(f"{ctx.paused_request_count} requests paused: the KV reservation should prevent it")
+
+    def _sample(self, logits: Optional[torch.Tensor], rows: list[int], sources: list[int]):
+        """This step's tokens for ``rows`` (the last pipeline stage only; None elsewhere)."""
+        if logits is None:
+            return None
+        step_logits = logits[0, torch.tensor(sources, device=logits.device)]  # [B, V_padded]
+        noise = None
+        if not self.params.greedy:
+            index = torch.tensor(rows, device=self.device)
+            positions = torch.tensor([len(self.samples[r].response_ids) for r in rows], device=self.device)
+            noise = gumbel_noise(self.keys[index], positions, step_logits.shape[-1])
+        return sample(step_logits, self.params, self.vocab_size, None, gumbel=noise)
+
+    def _record(self, rows: list[int], out) -> set[int]:
+        """Append each row's token; return the rows that finished (their reservations released)."""
+        tokens = out.tokens.tolist()
+        temp_lp = out.temperature_logprobs.tolist()
+        sampled_lp = out.sampled_logprobs.tolist()
+        finished = set()
+        for i, rid in enumerate(rows):
+            s = self.samples[rid]
+            s.response_ids.append(tokens[i])
+            s.response_logprobs.append(temp_lp[i])
+            s.sampled_logprobs.append(sampled_lp[i])
+            reason = self.stop.check(s.response_ids, self.budgets[rid])
+            if reason is None:
+                continue
+            s.finish_reason = reason
+            finished.add(rid)
+            self.reserved -= self.reserve[rid]
+            if self.on_finished is not None:
+                self.on_finished(rid, s)
+        return finished
+
+
+def _groups(samples: list[RolloutSample]) -> list[list[int]]:
+    """Sample indices per prompt, in prompt order (each group shares one prefill)."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_index, []).append(i)
+    return list(groups.values())
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

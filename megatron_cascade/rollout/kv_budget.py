@@ -1,0 +1,105 @@
+"""Sizing the paged KV cache: how many blocks the budget buys, and who can never fit."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.rollout.params import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """This rank's share of the KV cache.
+
+    Attributes:
+        layers: attention layers on this pipeline stage.
+        kv_heads: key/value heads on this tensor-parallel rank (query groups / TP).
+        head_dim: channels per head.
+        dtype: the cache dtype (the model's ``params_dtype``).
+        block_size_tokens: tokens per block.
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size_tokens: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: keys and values of ``block_size_tokens`` tokens in every layer."""
+        return self.dtype.itemsize * 2 * self.layers * self.block_size_tokens * self.kv_heads * self.head_dim
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a request of ``tokens`` tokens (prompt + response) occupies at its longest."""
+        return math.ceil(tokens / self.block_size_tokens)
+
+
+def kv_layout(gpt: torch.nn.Module, block_size_tokens: int) -> KVLayout:
+    """The KV layout of this rank's ``GPTModel`` stage."""
+    from megatron.core import parallel_state as ps
+
+    cfg = gpt.config
+    tp = ps.get_tensor_model_parallel_world_size()
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    if groups % tp:
+        raise ValueError(f"model.num_query_groups={groups} is not divisible by tensor parallel size {tp}")
+    return KVLayout(layers=len(gpt.decoder.layers), kv_heads=groups // tp, head_dim=cfg.kv_channels,
+                    dtype=cfg.params_dtype, block_size_tokens=block_size_tokens)
+
+
+def budget_bytes(cfg: KVCacheConfig, device: torch.device) -> int:
+    """The byte budget: ``kv_cache_bytes``, else ``kv_cache_fraction`` of free memory now."""
+    if cfg.kv_cache_bytes is not None:
+        return int(cfg.kv_cache_bytes)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = available_ram_bytes()
+    return int(free * cfg.kv_cache_fraction)
+
+
+def available_ram_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo (free pages plus reclaimable caches), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def usable_blocks(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, needed: int, largest: int) -> int:
+    """Blocks to allocate for requests (the context adds one dummy block): the budget's, at most
+    ``needed`` (what every request of the call needs at once), agreed on by every rank of the
+    model-parallel group (TP ranks and PP stages must admit the same requests).
+
+    Args:
+        needed: blocks all requests of the call would occupy at their longest.
+        largest: blocks of the longest single request.
+
+    Raises:
+        ValueError: the budget cannot hold ``largest`` blocks (that request could never run).
+    """
+    from megatron.core import parallel_state as ps
+
+    # One block is Megatron's dummy block (padding tokens write there).
+    affordable = budget_bytes(cfg, device) // layout.block_bytes - 1
+    count = torch.tensor([min(affordable, needed)], dtype=torch.int64, device=device)
+    if dist.is_initialized() and ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
+    blocks = int(count.item())
+    if blocks < largest:
+        raise ValueError(
+            f"the KV cache budget holds {max(blocks, 0)} blocks of {layout.block_size_tokens} tokens "
+            f"({layout.block_bytes} bytes each on this rank), but one request (prompt + max_new_tokens) needs "
+            f"{largest}: raise rollout.kv_cache_bytes (or rollout.kv_cache_fraction), or lower "
+            f"rollout.max_new_tokens / the prompt length")
+    return blocks

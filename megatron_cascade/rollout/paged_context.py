@@ -1,0 +1,89 @@
+"""Megatron-Core's ``DynamicInferenceContext`` (paged KV blocks, packed requests), as ``generate``
+drives it, plus the one operation it lacks: forking a prefilled request into its sibling samples.
+
+The context holds the block-level KV buffer ``[2, layers, blocks, block_size, kv_heads, head_dim]``
+and per-request bookkeeping tensors laid out ``[paused | active | free]``; Megatron's attention
+layers read and write it through ``append_key_value_cache`` / ``key_value_cache``. ``engine.py``
+adds requests (``add_request``), runs forwards on ``current_input_and_position_ids()`` and calls
+``update_requests`` with the sampled tokens, exactly as Megatron's ``TextGenerationController``.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+from megatron_cascade.rollout.kv_budget import KVLayout
+
+
+class PagedContext(DynamicInferenceContext):
+    """``DynamicInferenceContext`` that pads a step's token count only to the TP size.
+
+    Megatron rounds every step up to 64 tokens (and the request count to 4) so that steps match
+    captured CUDA graphs; ``generate`` runs eagerly, where that padding is pure waste (a decode
+    step with 3 live requests would compute 64 rows). Sequence parallelism still needs a multiple
+    of the TP size, which ``round_up_tokens`` keeps.
+    """
+
+    TOKEN_ROUNDER = 1
+    REQUEST_ROUNDER = 1
+
+    def fork(self, parent_index: int, child_request_id: int) -> None:
+        """Append a copy of the request at bookkeeping index ``parent_index`` (a prompt just
+        prefilled in this step, before ``update_requests``) under ``child_request_id``: new blocks
+        holding a copy of its KV, the same lengths and sampling metadata.
+
+        ``update_requests`` then advances the copy exactly like its parent, so the copy decodes
+        from the parent's prompt without a prefill of its own.
+        """
+        child = self.total_request_count
+        if child >= self.max_requests:
+            raise RuntimeError(f"fork: {child} requests already fill max_requests={self.max_requests}")
+        count = int(self.request_kv_block_counts[parent_index])
+        blocks = self.block_allocator.allocate_memory_blocks(count)
+        if blocks is None:
+            raise RuntimeError("fork: no free KV blocks (the engine's reservation should prevent this)")
+        parent_blocks = self.request_to_kv_block_ids[parent_index, :count].long()
+        self.memory_buffer[:, :, blocks.long()] = self.memory_buffer[:, :, parent_blocks]
+        for tensor in (self.request_query_lengths, self.request_output_lengths, self.request_kv_length_offsets,
+                       self.request_kv_block_counts, self.request_last_kv_block_offset,
+                       *self.request_metadata.values()):
+            tensor[child] = tensor[parent_index]
+        self.request_ids[child] = child_request_id
+        self.request_to_kv_block_ids[child] = -1
+        self.request_to_kv_block_ids[child, :count] = blocks
+        self.request_last_kv_block_id[child] = blocks[-1]
+        self.total_request_count += 1
+
+    def active_request_ids(self) -> list[int]:
+        """Request ids in the order of this step's logits rows."""
+        return self.request_ids[self.paused_request_count:self.total_request_count].tolist()
+
+
+def build_context(layout: KVLayout, blocks: int, max_requests: int, max_tokens: int,
+                  max_sequence_length: int) -> PagedContext:
+    """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block).
+
+    ``materialize_only_last_token_logits``: the output layer runs on each request's last token
+    only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
+    """
+    from megatron.core import parallel_state as ps
+
+    buffer_bytes = (blocks + 1.5) * layout.block_bytes  # the half block guards float rounding
+    ctx = PagedContext(
+        params_dtype=layout.dtype,
+        num_layers=layout.layers,
+        kv_channels=layout.head_dim,
+        num_attention_heads=layout.kv_heads * ps.get_tensor_model_parallel_world_size(),
+        max_sequence_length=max_sequence_length,
+        buffer_size_gb=buffer_bytes / 1024**3,
+        max_requests=max_requests,
+        max_tokens=max_tokens,
+        block_size_tokens=layout.block_size_tokens,
+        materialize_only_last_token_logits=True,
+        use_cuda_graphs_for_non_decode_steps=False,
+        unified_memory_level=0,
+    )
+    if ctx.block_allocator.total_count != blocks + 1:
+        raise RuntimeError(f"context has {ctx.block_allocator.total_count} blocks, wanted {blocks + 1}")
+    return ctx

@@ -1,0 +1,77 @@
+"""One generation forward on this rank's pipeline stage: packed tokens ``[1, T]`` under the paged
+context, or a dummy forward (expert-parallel lockstep), with hidden states passed between stages.
+
+Pipeline parallelism: every stage holds the same request bookkeeping (each admits and finishes
+the same requests from the same broadcast tokens), so each knows the step's token count ``T`` and
+can post its receive of ``[T, 1, hidden]`` from the previous stage; the last stage returns logits.
+
+Sequence parallelism is turned off while generating (``sequence_parallel_off``), as Megatron's
+text generation controller does for inference: a decode step has a handful of tokens per step and
+the packed layout needs every TP rank to see the whole step. MoE layers need no SP for correctness:
+with SP off each TP rank routes the full step, the dispatcher's gather over the TP group then
+repeats tokens TP times and the combine's reduce-scatter hands each rank one full copy back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.rollout.model_runner import unwrap_model
+
+
+class StageForward:
+    """Forwards of the model chunk on this rank (first, middle or last pipeline stage)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        self.gpt = unwrap_model(model)
+        self.first = ps.is_pipeline_first_stage(ignore_virtual=True)
+        self.last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        pp = ps.get_pipeline_model_parallel_world_size()
+        self._prev = ps.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
+        self._next = ps.get_pipeline_model_parallel_next_rank() if pp > 1 else None
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.device = next(self.gpt.parameters()).device
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context) -> Optional[torch.Tensor]:
+        """Logits ``[1, R, V_padded]`` (R = the context's active requests, last tokens only; TP-gathered)
+        on the last stage, None elsewhere. ``input_ids``/``position_ids``: ``[1, T]``."""
+        if not self.first:
+            cfg = self.gpt.config
+            hidden = torch.empty((input_ids.shape[1], 1, cfg.hidden_size),
+                                 dtype=cfg.pipeline_dtype or cfg.params_dtype, device=self.device)
+            dist.recv(hidden, self._prev)
+            self.gpt.set_input_tensor(hidden)
+        out = self.model(input_ids, position_ids, None, inference_context=context, runtime_gather_output=True)
+        if not self.last:
+            dist.send(out.contiguous(), self._next)
+            return None
+        return out
+
+    def dummy(self) -> None:
+        """A forward of ``tp_size`` padding tokens without a context (no KV written), through every
+        stage: it takes part in the MoE all-to-alls of the step like a real one."""
+        tokens = torch.zeros((1, self.tp_size), dtype=torch.long, device=self.device)
+        self(tokens, tokens, None)
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
+    """Sequence parallelism off in every module for the duration, restored afterwards."""
+    gpt = unwrap_model(model)
+    if not getattr(gpt.config, "sequence_parallel", False):
+        yield
+        return
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+    set_model_to_sequence_parallel(gpt, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(gpt, True)

@@ -1,0 +1,96 @@
+"""The static-batch generator: all rows of a batch decode in lockstep until the last one finishes.
+
+This was ``generate``'s only path before the paged, continuous-batching one (``engine.py``). It
+stays for two uses: ``generate(..., use_kv_cache=False)``, the full-recompute reference that the
+paged path is tested against, and ``use_kv_cache=True`` (Megatron's ``StaticInferenceContext``,
+one cache sized to the batch's longest row), the baseline of ``benchmarks/generation.py``.
+
+Prompts of different lengths are left-padded into one batch (see ``layout.py``); with attention
+that cannot take a padding mask (Transformer Engine) they are batched by prompt length instead.
+Finished rows keep decoding (the batch shape is static); their tokens are no longer recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_cascade.rollout.batch import RolloutSample
+from megatron_cascade.rollout.comm import share_step
+from megatron_cascade.rollout.layout import PaddedBatch, left_pad
+from megatron_cascade.rollout.model_runner import StepRunner, accepts_padding_mask
+from megatron_cascade.rollout.noise import gumbel_noise, sample_key
+from megatron_cascade.rollout.params import SamplingParams
+from megatron_cascade.rollout.sampling import SampleOutput, sample
+from megatron_cascade.rollout.stopping import StopCriteria
+from megatron_cascade.tokenizers.base import Tokenizer
+
+OnFinished = Callable[[int, RolloutSample], None]
+
+
+def generate_static(model: torch.nn.Module, samples: list[RolloutSample], params: SamplingParams, *,
+                    tokenizer: Tokenizer, limit: int, use_kv_cache: bool,
+                    on_finished: Optional[OnFinished] = None) -> None:
+    """Fill ``samples`` (prompt-major, ``prompt_ids`` set) in static batches; collective over the
+    model-parallel group. The model must already be in eval mode under ``no_grad``."""
+    rows = [s.prompt_ids for s in samples]
+    device = next(model.parameters()).device
+    stop = StopCriteria(params, tokenizer)
+    keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
+                        dtype=torch.int64, device=device)
+    for group in _batches(rows, accepts_padding_mask(model)):
+        batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
+        runner = StepRunner(model, batch, use_kv_cache)
+        _decode_loop(runner, batch, group, samples, params, stop, keys[group], tokenizer.vocab_size, on_finished)
+
+
+def _batches(rows: Sequence[Sequence[int]], padding_ok: bool) -> list[list[int]]:
+    """Row indices per forward batch: all rows at once (left-padded), or one batch per prompt
+    length where the attention cannot mask padding (no padding is then needed)."""
+    if padding_ok:
+        return [list(range(len(rows)))]
+    by_length: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_length.setdefault(len(row), []).append(i)
+    return list(by_length.values())
+
+
+def _decode_loop(runner: StepRunner, batch: PaddedBatch, group: list[int], samples: list[RolloutSample],
+                 params: SamplingParams, stop: StopCriteria, keys: torch.Tensor, vocab_size: int,
+                 on_finished: Optional[OnFinished]) -> None:
+    """Sample column after column until every row of ``group`` is finished."""
+    active = set(range(batch.batch_size))
+    for column in range(batch.prompt_width, batch.max_length):
+        logits = runner.step(column)
+        local = None
+        if logits is not None:
+            positions = torch.full_like(keys, column - batch.prompt_width)
+            noise = None if params.greedy else gumbel_noise(keys, positions, logits.shape[-1])
+            local = sample(logits, params, vocab_size, None, gumbel=noise)
+        out = share_step(local, batch.batch_size, batch.tokens.device)
+        batch.append(column, out.tokens)
+        active -= _record(out, group, samples, active, stop, batch.budgets, on_finished)
+        if not active:
+            return
+
+
+def _record(out: SampleOutput, group: list[int], samples: list[RolloutSample], active: set[int],
+            stop: StopCriteria, budgets: list[int], on_finished: Optional[OnFinished]) -> set[int]:
+    """Append this step's token to each active row's sample; return the rows that just finished."""
+    tokens = out.tokens.tolist()
+    temp_lp = out.temperature_logprobs.tolist()
+    sampled_lp = out.sampled_logprobs.tolist()
+    finished = set()
+    for row in sorted(active):
+        s = samples[group[row]]
+        s.response_ids.append(tokens[row])
+        s.response_logprobs.append(temp_lp[row])
+        s.sampled_logprobs.append(sampled_lp[row])
+        reason = stop.check(s.response_ids, budgets[row])
+        if reason is not None:
+            s.finish_reason = reason
+            finished.add(row)
+            if on_finished is not None:
+                on_finished(group[row], s)
+    return finished
