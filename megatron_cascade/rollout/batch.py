@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional
 
 from megatron_cascade.rollout.params import SamplingParams
 
@@ -40,11 +40,32 @@ class RolloutSample:
 
 
 @dataclass
+class GenerationStats:
+    """How a paged ``generate`` call ran on this rank.
+
+    Attributes:
+        steps: forwards run (each one step of every live request), dummy ones included.
+        dummy_steps: forwards without work of its own, run in step with the expert-parallel group.
+        peak_requests: most requests live in one step.
+        kv_cache_bytes: bytes of the KV block buffer allocated (dummy block included).
+    """
+
+    steps: int = 0
+    dummy_steps: int = 0
+    peak_requests: int = 0
+    kv_cache_bytes: int = 0
+
+
+@dataclass
 class RolloutBatch:
-    """All samples of one ``generate`` call, prompt-major: prompt 0 samples 0..n-1, prompt 1, ..."""
+    """All samples of one ``generate`` call, prompt-major: prompt 0 samples 0..n-1, prompt 1, ...
+
+    ``stats`` describes the paged generator's run (None for the static reference path).
+    """
 
     samples: list[RolloutSample]
     params: SamplingParams
+    stats: Optional[GenerationStats] = None
 
     def __len__(self) -> int:
         return len(self.samples)

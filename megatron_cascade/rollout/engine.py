@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.rollout.batch import RolloutSample
+from megatron_cascade.rollout.batch import GenerationStats, RolloutSample
 from megatron_cascade.rollout.comm import share_step
 from megatron_cascade.rollout.kv_budget import kv_layout, usable_blocks
 from megatron_cascade.rollout.noise import gumbel_noise, sample_key
@@ -69,9 +69,9 @@ class PagedGenerator:
         self.queue: deque[list[int]] = deque(_groups(samples))
         self.forks: dict[int, list[int]] = {}
         self.ctx: Optional[PagedContext] = None
+        self.stats = GenerationStats()
         if samples:
             self._build(kv_cache)
-        self.steps = 0
 
     def _build(self, kv_cache: KVCacheConfig) -> None:
         layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
@@ -86,6 +86,7 @@ class PagedGenerator:
         # Both are padded to multiples of the TP size (sequence-parallel MoE layers split the step).
         max_requests, max_tokens = _round_up(max_requests, tp), _round_up(max_tokens, tp)
         self.ctx = build_context(layout, self.usable, max_requests, max_tokens, max(lengths))
+        self.stats.kv_cache_bytes = self.ctx.memory_buffer.numel() * self.ctx.memory_buffer.element_size()
 
     def run(self) -> None:
         """Generate until every sample on every rank of the EP group is finished."""
@@ -104,10 +105,12 @@ class PagedGenerator:
                 any_work = bool(flag.item())
             if not any_work:
                 return
-            self.steps += 1
+            self.stats.steps += 1
             if has_work:
+                self.stats.peak_requests = max(self.stats.peak_requests, self.ctx.total_request_count)
                 self._step()
             else:
+                self.stats.dummy_steps += 1
                 self.forward.dummy()
 
     def _admit(self) -> None:

@@ -68,14 +68,17 @@ def generate(
     samples = [RolloutSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt))
                for p, prompt in enumerate(prompts) for k in range(params.n)]
     budgets = _budgets(samples, params.max_new_tokens, limit)
+    stats = None
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
         if use_kv_cache:
-            PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
-                           on_finished).run()
+            engine = PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
+                                    on_finished)
+            engine.run()
+            stats = engine.stats
         elif samples:
             generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=False,
                             on_finished=on_finished)
-    return RolloutBatch(samples, params)
+    return RolloutBatch(samples, params, stats)
 
 
 def _budgets(samples: list[RolloutSample], max_new_tokens: int, limit: int) -> list[int]:

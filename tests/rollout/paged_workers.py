@@ -1,0 +1,112 @@
+"""Worker functions of the paged-generator tests (module-level so that ``run_distributed`` can pickle
+them): KV budget, shared prefills, ``on_finished``, empty calls, and MoE layouts (EP lockstep, TP+SP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from unittest import mock
+
+import torch
+
+from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+from rollout_workers import GREEDY, MODEL, PROMPTS, SAMPLED, TOKENIZER, _setup, _summary
+
+# One request (28-token prompt + 12 tokens) needs 3 blocks of 16 tokens: 4 usable blocks run one
+# or two requests at a time. Bytes per block: fp32 x (K, V) x 2 layers x 16 tokens x 2 KV heads x 16.
+BLOCK_BYTES = 4 * 2 * 2 * 16 * 2 * 16
+SMALL = KVCacheConfig(kv_cache_bytes=5 * BLOCK_BYTES, block_size_tokens=16)  # 4 usable + the dummy
+
+MOE = replace(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          vocab_size=TOKENIZER.vocab_size, ffn_hidden_size=64, max_position_embeddings=96),
+              moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32, token_dispatcher_type="alltoall"))
+# By data-parallel rank in the EP=2 x DP=2 test: rank 1's single response ends after 3 tokens.
+EP_PROMPTS = {0: PROMPTS[:2], 1: PROMPTS[2:]}
+EP_PARAMS = {0: replace(GREEDY, max_new_tokens=10), 1: replace(GREEDY, max_new_tokens=3)}
+
+
+def budget_worker(weights_dir: str) -> dict:
+    """Single process: small KV budget, shared prefills, on_finished, empty and never-fitting calls."""
+    from megatron_cascade.rollout import paged_context
+
+    model = _setup(ParallelConfig(), weights_dir, save=True)
+    out = {}
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        out[name] = _summary(generate(model, PROMPTS, params, tokenizer=TOKENIZER))
+        out[f"{name}_nocache"] = _summary(generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=False))
+        with mock.patch.object(paged_context.PagedContext, "fork", autospec=True,
+                               side_effect=paged_context.PagedContext.fork) as fork:
+            small = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=SMALL)
+        out[f"{name}_small"] = _summary(small)
+        out[f"{name}_small_stats"] = vars(small.stats)
+        out[f"{name}_small_forks"] = fork.call_count
+    out["fed_tokens"], out["fed_expected"] = _tokens_fed(model)
+    out["callbacks"] = _callback_timing(model)
+    empty = generate(model, [], SAMPLED, tokenizer=TOKENIZER)
+    out["empty"] = (len(empty), empty.stats.steps)
+    try:
+        generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER,
+                 kv_cache=KVCacheConfig(kv_cache_bytes=3 * BLOCK_BYTES, block_size_tokens=16))
+        out["never_fits"] = None
+    except ValueError as err:
+        out["never_fits"] = str(err)
+    return out
+
+
+def _tokens_fed(model) -> tuple[int, int]:
+    """Tokens through the embedding for SAMPLED (n=3): each prompt once, then one token per decode
+    step of each sample (its last token is never fed back)."""
+    fed = []
+    hook = model.embedding.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"].numel()),
+                                                     with_kwargs=True)
+    try:
+        batch = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER)
+    finally:
+        hook.remove()
+    expected = sum(len(p) for p in PROMPTS) + sum(len(s.response_ids) - 1 for s in batch)
+    return sum(fed), expected
+
+
+def _callback_timing(model) -> dict:
+    """Which forward each on_finished call came after: the longest prompt gets 3 tokens under the
+    sequence limit, the others 12, so its sample must be handed over after forward 3 of 12."""
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    calls = []
+    try:
+        batch = generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, max_sequence_length=len(PROMPTS[-1]) + 3,
+                         on_finished=lambda i, s: calls.append((i, len(forwards), len(s.response_ids))))
+    finally:
+        hook.remove()
+    return {"calls": calls, "forwards": len(forwards), "same_objects": [len(s.response_ids) for s in batch]}
+
+
+def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
+    """MoE greedy generation: one process runs both ranks' prompt sets; with DP=2 each rank its own
+    (rank 1's ends early), then rank 1 with no prompts at all while rank 0 generates."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
+    from megatron_cascade.model import save_model_weights
+
+    initialize_model_parallel(parallel, seed=3)
+    model = build_gpt_model(MOE, parallel)
+    if init:
+        save_model_weights(model, weights_dir, MOE)
+    else:
+        load_model_weights(model, weights_dir, MOE)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = [rank] if dp > 1 else [0, 1]
+    out = {}
+    for r in mine:
+        batch = generate(model, EP_PROMPTS[r], EP_PARAMS[r], tokenizer=TOKENIZER)
+        out[r] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
+                  "dummy": batch.stats.dummy_steps}
+    if dp > 1:
+        prompts = EP_PROMPTS[0] if rank == 0 else []
+        batch = generate(model, prompts, EP_PARAMS[0], tokenizer=TOKENIZER)
+        out["alone"] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
+                        "dummy": batch.stats.dummy_steps}
+    out["sequence_parallel_restored"] = model.config.sequence_parallel == parallel.sequence_parallel
+    return out

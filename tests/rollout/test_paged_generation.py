@@ -1,0 +1,94 @@
+"""The paged, continuous-batching generator: a KV budget smaller than the call (requests wait,
+results unchanged, memory within the budget), one prefill per prompt for its samples, on_finished
+while decoding goes on, empty calls, and MoE layouts: expert-parallel lockstep across
+data-parallel ranks with different work, and TP=2 with sequence parallelism.
+"""
+
+import pytest
+import torch
+
+from megatron_cascade.config import ParallelConfig
+from megatron_cascade.testing import run_distributed
+from paged_workers import EP_PROMPTS, SMALL, budget_worker, moe_worker
+from rollout_workers import GREEDY, PROMPTS, SAMPLED
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    return run_distributed(budget_worker, 1, str(tmp_path_factory.mktemp("paged") / "w"))[0]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_small_kv_budget_waits_and_changes_nothing(ref, kind):
+    small, full = ref[f"{kind}_small"], ref[kind]
+    for key in ("tokens", "reasons", "index"):
+        assert small[key] == full[key], key
+    for key in ("logprobs", "sampled_logprobs"):  # other batch mates: float rounding only
+        for a, b in zip(small[key], full[key], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert ref[kind]["tokens"] == ref[f"{kind}_nocache"]["tokens"]
+    stats = ref[f"{kind}_small_stats"]
+    assert stats["kv_cache_bytes"] <= SMALL.kv_cache_bytes
+    # 4 blocks of 16 tokens: never all requests at once (each needs 2 or 3 blocks).
+    assert stats["peak_requests"] == 2 < len(ref[kind]["tokens"])
+
+
+def test_samples_of_a_prompt_share_its_prefill(ref):
+    assert ref["fed_tokens"] == ref["fed_expected"]
+    # Under the small budget a prompt's 3 samples (2 blocks each) do not fit at once: forks only
+    # for the samples admitted together, the others prefill again later.
+    assert 0 < ref["sampled_small_forks"] < len(PROMPTS) * (SAMPLED.n - 1)
+    assert ref["greedy_small_forks"] == 0
+
+
+def test_on_finished_fires_while_others_decode(ref):
+    got = ref["callbacks"]
+    assert got["forwards"] == GREEDY.max_new_tokens
+    by_index = {i: (after, length) for i, after, length in got["calls"]}
+    assert sorted(by_index) == [0, 1, 2]
+    assert by_index[2] == (3, 3), "the short sample is handed over right after its third token"
+    assert by_index[0] == by_index[1] == (GREEDY.max_new_tokens, GREEDY.max_new_tokens)
+    assert got["same_objects"] == [12, 12, 3]
+
+
+def test_empty_call_returns_empty_batch(ref):
+    assert ref["empty"] == (0, 0)
+
+
+def test_request_that_can_never_fit_names_the_key(ref):
+    assert "rollout.kv_cache_bytes" in ref["never_fits"] and "needs 3" in ref["never_fits"]
+
+
+@pytest.fixture(scope="module")
+def moe_ref(tmp_path_factory):
+    weights = str(tmp_path_factory.mktemp("moe") / "w")
+    return weights, run_distributed(moe_worker, 1, ParallelConfig(), weights, True)[0]
+
+
+def test_expert_parallel_lockstep_across_data_parallel(moe_ref):
+    """EP=2 x DP=2: rank 1's response ends after 3 tokens, then rank 1 has no prompts at all. It
+    runs dummy forwards for rank 0's remaining steps; each rank's tokens equal one process's."""
+    weights, ref = moe_ref
+    ranks = run_distributed(moe_worker, 2, ParallelConfig(expert_model_parallel_size=2), weights, False,
+                            timeout_s=240)
+    for rank, got in enumerate(ranks):
+        assert got[rank]["tokens"] == ref[rank]["tokens"]
+    assert ranks[0][0]["steps"] == ranks[1][1]["steps"] == 10
+    assert (ranks[0][0]["dummy"], ranks[1][1]["dummy"]) == (0, 10 - 3)
+    assert ranks[0]["alone"]["tokens"] == ref[0]["tokens"]
+    assert ranks[1]["alone"] == {"tokens": [], "steps": 10, "dummy": 10}
+    assert len(EP_PROMPTS[1]) == 1
+
+
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                   expert_tensor_parallel_size=1),
+], ids=["tp2-sp", "tp2-sp-ep2-etp1"])
+def test_moe_tensor_and_sequence_parallel_match_one_process(moe_ref, parallel):
+    weights, ref = moe_ref
+    for got in run_distributed(moe_worker, 2, parallel, weights, False, timeout_s=240):
+        assert got[0]["tokens"] == ref[0]["tokens"] and got[1]["tokens"] == ref[1]["tokens"]
+        assert got["sequence_parallel_restored"]
