@@ -230,8 +230,20 @@ def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None
     if stage.rollout.max_new_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(f"{where}: rollout.max_new_tokens={stage.rollout.max_new_tokens} leaves no room for the "
                           f"prompt in model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    _validate_kv_cache(stage, where)
     if stage.training.micro_batch_size < 1 or stage.training.ppo_epochs < 1:
         raise ConfigError(f"{where}: training.micro_batch_size and training.ppo_epochs must be >= 1")
+
+
+def _validate_kv_cache(stage: ResolvedStage, where: str) -> None:
+    r = stage.rollout
+    if r.kv_cache_bytes is not None and r.kv_cache_bytes <= 0:
+        raise ConfigError(f"{where}: rollout.kv_cache_bytes={r.kv_cache_bytes} must be > 0 "
+                          f"(or null: rollout.kv_cache_fraction of the free memory)")
+    if not 0.0 < r.kv_cache_fraction <= 1.0:
+        raise ConfigError(f"{where}: rollout.kv_cache_fraction={r.kv_cache_fraction} must be in (0, 1]")
+    if r.kv_block_size_tokens < 1:
+        raise ConfigError(f"{where}: rollout.kv_block_size_tokens={r.kv_block_size_tokens} must be >= 1")
 
 
 def _validate_teachers(stage: StageConfig, earlier: list[str], where: str, check_paths: bool) -> None:

@@ -29,6 +29,11 @@ class RolloutConfig:
     filter_uninformative_groups: bool = True  # drop groups whose rewards are all equal
     std_normalize_advantages: bool = True
     advantage_baseline: str = "mean"  # mean | leave_one_out
+    # Paged KV cache of generation, per rank: a byte budget, or (null) kv_cache_fraction of the free
+    # device memory (on CPU: available RAM) when generation starts. Requests that do not fit wait.
+    kv_cache_bytes: Optional[int] = None
+    kv_cache_fraction: float = 0.5
+    kv_block_size_tokens: int = 256  # flash-attn 2 paged kernels (GPU) need a multiple of 256
 
 
 @dataclass

@@ -78,6 +78,12 @@ class KVCacheConfig:
     kv_cache_fraction: float = 0.5
     block_size_tokens: int = 256
 
+    @classmethod
+    def from_rollout(cls, rollout) -> "KVCacheConfig":
+        """From a ``RolloutConfig`` (``rollout.kv_cache_bytes / kv_cache_fraction / kv_block_size_tokens``)."""
+        return cls(kv_cache_bytes=rollout.kv_cache_bytes, kv_cache_fraction=rollout.kv_cache_fraction,
+                   block_size_tokens=rollout.kv_block_size_tokens)
+
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"rollout.kv_cache_bytes={self.kv_cache_bytes} must be > 0 (or null)")
