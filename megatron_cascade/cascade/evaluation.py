@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.cascade.data import Example
-from megatron_cascade.cascade.scoring import score_responses
+from megatron_cascade.cascade.scoring import RolloutScorer
 from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
 from megatron_cascade.rollout import SamplingParams, generate
 
@@ -24,7 +24,9 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
     """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective.
 
     Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``) and
-    stop at the run's ``rollout.stop_strings``.
+    stop at the run's ``rollout.stop_strings``; each is scored as soon as it finishes (a reward
+    worker pool, while the rest decode). Every rank calls ``generate`` for every domain, also with
+    no prompts of its own (expert-parallel lockstep).
     """
     dp_rank, dp_size, dp_group = data_parallel()
     max_new_tokens = eval_cfg.max_new_tokens if eval_cfg.max_new_tokens is not None else rollout_cfg.max_new_tokens
@@ -35,13 +37,13 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
         mine = examples[dp_rank::dp_size]
         params = SamplingParams(temperature=eval_cfg.temperature, max_new_tokens=max_new_tokens,
                                 stop_strings=stop_strings, n=eval_cfg.samples, seed=seed + dp_rank)
-        total = torch.zeros(2, dtype=torch.float64)
-        if mine:
-            rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer)
-            texts = [tokenizer.decode(s.response_ids) for s in rollouts]
-            rows = [mine[s.prompt_index].row for s in rollouts]
-            values, _, _ = score_responses(rewards, domains, texts, rows, [domain] * len(texts))
-            total += torch.tensor([float(values.sum()), float(len(values))], dtype=torch.float64)
+        # Every rank generates, a rank without prompts too: with experts spread over data-parallel
+        # ranks it runs dummy forwards for its EP group's all-to-alls (elsewhere it returns at once).
+        with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine)) as scorer:
+            rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer,
+                                on_finished=scorer.on_finished)
+            values, _, _ = scorer.collect(rollouts.samples)
+        total = torch.tensor([float(values.sum()), float(len(values))], dtype=torch.float64)
         dist.all_reduce(total, group=dp_group)
         scores[domain] = float(total[0] / max(total[1], 1.0))
     return scores

@@ -2,18 +2,25 @@
 
 All tensor/pipeline-parallel ranks of a replica hold the same responses; only the replica's first
 rank runs the verifiers (code runs in the sandbox once, not once per TP rank) and broadcasts.
+
+``score_responses`` scores a finished list; ``RolloutScorer`` scores each sample the moment
+generation finishes it (``generate(..., on_finished=scorer.on_finished)``), in a reward worker
+pool while decoding goes on, so that after generation only the stragglers are waited for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.rewards import build_reward, score_batch
+from megatron_cascade.rewards.scoring import ScoringPool, finalize_scores
+from megatron_cascade.rollout import RolloutSample
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +58,67 @@ def score_responses(rewards: dict, domains: dict[str, DomainConfig], responses: 
     if dist.get_world_size(group) > 1:
         dist.broadcast(out, src=src, group=group)
     return out[:-1], int(out[-1]), time.perf_counter() - start
+
+
+class RolloutScorer:
+    """Scores rollout samples as generation finishes them; ``collect`` returns what
+    ``score_responses`` would for the same samples (same scores, errors and warnings).
+
+    Args:
+        rewards: reward per domain; ``domains``: their configs (``reward.timeout_s``).
+        tokenizer: decodes ``response_ids`` into the text the reward reads.
+        prompt_rows, prompt_domains: per prompt index of the ``generate`` call, its data row and domain.
+        max_workers: reward calls live at once (default ``os.cpu_count()``, as ``score_batch``).
+
+    Only the model-parallel source rank scores (other ranks ignore ``on_finished``); ``collect``
+    is collective over the model-parallel group (the source broadcasts). Use it as a context
+    manager so that an exception during generation still ends the pool's dispatcher.
+    """
+
+    def __init__(self, rewards: dict, domains: dict[str, DomainConfig], tokenizer, prompt_rows: Sequence[dict],
+                 prompt_domains: Sequence[str], *, max_workers: Optional[int] = None) -> None:
+        self.rewards, self.domains, self.tokenizer = rewards, domains, tokenizer
+        self.prompt_rows, self.prompt_domains = list(prompt_rows), list(prompt_domains)
+        self.is_source, self.group, self.src = _model_parallel_source()
+        self.pool = ScoringPool(max_workers) if self.is_source else None
+        self.tickets: dict[int, int] = {}  # sample index -> index in the pool's results
+
+    def __enter__(self) -> "RolloutScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def on_finished(self, sample_index: int, sample: RolloutSample) -> None:
+        """Queue one finished sample for scoring (``generate``'s ``on_finished`` hook)."""
+        if self.pool is None or sample_index in self.tickets:
+            return
+        domain = self.prompt_domains[sample.prompt_index]
+        self.tickets[sample_index] = self.pool.submit(
+            self.rewards[domain], self.tokenizer.decode(sample.response_ids), self.prompt_rows[sample.prompt_index],
+            timeout_s=self.domains[domain].reward.timeout_s)
+
+    def collect(self, samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, int, float]:
+        """Scores [N] (float64, in [0, 1]) of ``samples`` (the ``generate`` result), the number of
+        reward errors, and the seconds waited here (the stragglers); collective over the
+        model-parallel group. Samples ``on_finished`` never saw are scored now."""
+        start = time.perf_counter()
+        out = torch.zeros(len(samples) + 1, dtype=torch.float64)
+        if self.pool is not None:
+            for i, sample in enumerate(samples):
+                self.on_finished(i, sample)
+            raw = self.pool.results()
+            row_domains = [self.prompt_domains[s.prompt_index] for s in samples]
+            for domain in sorted(set(row_domains)):
+                index = [i for i, d in enumerate(row_domains) if d == domain]
+                name = getattr(self.rewards[domain], "name", repr(self.rewards[domain]))
+                scores, errors = finalize_scores([raw[self.tickets[i]] for i in index], name)
+                out[index] = torch.tensor(scores, dtype=torch.float64)
+                out[-1] += errors
+                if errors:
+                    log.warning("reward %s: %d of %d responses errored or timed out (scored 0)",
+                                self.domains[domain].reward.name, errors, len(index))
+        if dist.get_world_size(self.group) > 1:
+            dist.broadcast(out, src=self.src, group=self.group)
+        return out[:-1], int(out[-1]), time.perf_counter() - start

@@ -22,8 +22,8 @@ from megatron_cascade.cascade.evaluation import data_parallel, evaluate
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
-from megatron_cascade.cascade.scoring import build_domain_rewards, score_responses
-from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, TeacherPool
+from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards
+from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, TeacherPool, teacher_logprobs
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.model import build_gpt_model
@@ -208,14 +208,14 @@ class StageRunner:
         G = self.stage.samples_per_prompt
         t0 = time.perf_counter()
         finish_param_sync(self.policy)  # generation reads the weights of the last step
-        rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
-                            tokenizer=self.tok)
-        gen_s = time.perf_counter() - t0
-        texts = [self.tok.decode(s.response_ids) for s in rollouts]
-        owners = [examples[s.prompt_index] for s in rollouts]
-        domains = [e.domain for e in owners]
-        scores, errors, reward_s = score_responses(self.rewards, self.cfg.domains, texts, [e.row for e in owners],
-                                                   domains)
+        # Each sample is scored the moment it finishes, while the others decode on.
+        with RolloutScorer(self.rewards, self.cfg.domains, self.tok, [e.row for e in examples],
+                           [e.domain for e in examples]) as scorer:
+            rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
+                                tokenizer=self.tok, on_finished=scorer.on_finished)
+            gen_s = time.perf_counter() - t0
+            scores, errors, reward_s = scorer.collect(rollouts.samples)  # reward_s: the stragglers only
+        domains = [examples[s.prompt_index].domain for s in rollouts]
         finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
         rewards = scores.view(len(examples), G)
         rewards, keep = apply_overlong_policy(rewards, finished.view(len(examples), G),
@@ -246,12 +246,7 @@ class StageRunner:
         return batch
 
     def _teacher_logprobs(self, batch: TrainBatch, domains: list[str]) -> torch.Tensor:
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for domain in sorted(set(domains)):
-            rows = torch.tensor([i for i, d in enumerate(domains) if d == domain])
-            teacher = self.teachers.module_for(domain)
-            out[rows] = forward_logprobs([teacher], batch.select(rows), self.spec, self.stage.training.micro_batch_size)
-        return out
+        return teacher_logprobs(self.teachers, batch, domains, self.spec, self.stage.training.micro_batch_size)
 
     def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str], errors: int) -> dict[str, float]:
         lengths = [len(s.response_ids) for s in rollouts]

@@ -14,7 +14,10 @@ import torch
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.model import build_gpt_model, load_model_weights
 from megatron_cascade.model.checkpoint import read_model_config
+from megatron_cascade.training.batch import TrainBatch
+from megatron_cascade.training.loss_plugin import LossSpec
 from megatron_cascade.training.policy import in_model_precision, unwrap
+from megatron_cascade.training.step import expert_lockstep_needed, forward_logprobs
 
 TOKENIZER_FINGERPRINT_FILE = "tokenizer_fingerprint.txt"
 
@@ -72,3 +75,28 @@ class TeacherPool:
             unwrap(self.module).load_state_dict(self._offloaded[path], strict=False)
             self._resident = path
         return self.module
+
+
+def teacher_logprobs(pool: TeacherPool, batch: TrainBatch, row_domains: list[str], spec: LossSpec,
+                     micro_batch_size: int) -> torch.Tensor:
+    """[B, S] float32 log-probs of ``batch.target_ids``, each row under its domain's teacher.
+
+    One forward pass per teacher, over the rows of its domain. When the teachers are MoE models
+    whose experts span data-parallel ranks, every rank runs every teacher in the same (sorted)
+    order, a rank without rows of a domain running dummy micro-batches (``forward_logprobs``):
+    ranks hold different domains, and a pass skipped on one rank would pair the next teacher's
+    all-to-all with another teacher's (wrong log-probs) or leave a rank waiting (a hang).
+    """
+    if len(row_domains) != batch.size:
+        raise ValueError(f"{len(row_domains)} row domains for a batch of {batch.size} rows")
+    missing = sorted(set(row_domains) - set(pool.teachers))
+    if missing:
+        raise KeyError(f"no teacher for domain(s) {missing}; teachers: {sorted(pool.teachers)}")
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    lockstep = expert_lockstep_needed(pool.module)
+    for domain in sorted(pool.teachers):
+        rows = torch.tensor([i for i, d in enumerate(row_domains) if d == domain], dtype=torch.long)
+        if len(rows) == 0 and not lockstep:
+            continue  # no other rank waits on this pass: skip the weight swap too
+        out[rows] = forward_logprobs([pool.module_for(domain)], batch.select(rows), spec, micro_batch_size)
+    return out

@@ -2,6 +2,10 @@
 
 A reward that raises, returns a non-finite value or exceeds ``timeout_s`` scores 0 for
 that response; it is counted in the returned error count and logged (``logging``).
+
+``score_batch`` scores a whole list at once; ``ScoringPool`` takes responses one by one while
+the caller does other work (generation hands it each sample as it finishes) and waits only for
+the stragglers. Both apply the same rules: the pool's dispatcher is what ``score_batch`` runs.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_cascade.rewards.registry import BoundReward
 
@@ -61,36 +66,130 @@ def _call_batch(reward_fn: BoundReward, responses: Sequence[str],
 def _run_threads(fn: Callable[[str, dict], float], responses: Sequence[str],
                  samples: Sequence[dict], timeout_s: float, max_workers: int) -> list[Any]:
     """Thread per item, at most ``max_workers`` live ones not yet timed out."""
-    n = len(responses)
-    results: list[Any] = [None] * n
-    done_q: queue.Queue = queue.Queue()
-    active: dict[int, float] = {}  # index -> start time (monotonic s)
-    next_i, finished = 0, 0
+    pool = ScoringPool(max_workers)
+    for response, sample in zip(responses, samples):
+        pool.submit(fn, response, sample, timeout_s=timeout_s)
+    return pool.results()
 
-    def work(i: int) -> None:
-        try:
-            done_q.put((i, fn(responses[i], samples[i])))
-        except BaseException as e:  # noqa: BLE001 - reported as this item's error
-            done_q.put((i, e))
 
-    while finished < n:
-        while len(active) < max_workers and next_i < n:
-            active[next_i] = time.monotonic()
-            threading.Thread(target=work, args=(next_i,), daemon=True,
-                             name=f"reward-{next_i}").start()
-            next_i += 1
-        wait_s = max(0.0, min(active.values()) + timeout_s - time.monotonic())
+class ScoringPool:
+    """Scores responses in worker threads as they are submitted; ``results()`` waits for the rest.
+
+    Per item the rules of :func:`score_batch`: a plain reward runs in its own thread and a call
+    still running ``timeout_s`` after it started scores ``TimeoutError`` (its thread is
+    abandoned, daemon, and its slot reused); a :class:`BoundReward` with a native batch
+    implementation gets every item of it waiting for a worker in one ``batch`` call (items queue
+    up while the workers are busy) and enforces its own timeouts. At most ``max_workers`` calls
+    (default ``os.cpu_count()``) are live at once. Threads suit rewards that wait on sandboxed
+    subprocesses or HTTP; pure-Python verifiers share the GIL with the caller.
+
+    One dispatcher thread owns the queue and the deadlines; ``submit`` only posts to it. Not
+    reusable after ``results()``.
+    """
+
+    def __init__(self, max_workers: Optional[int] = None) -> None:
+        self.max_workers = max_workers or os.cpu_count() or 1
+        self._events: queue.Queue = queue.Queue()
+        self._submitted = 0
+        self._closed = False
+        self._raw: list[Any] = []
+        self._failure: Optional[BaseException] = None
+        self._dispatcher = threading.Thread(target=self._dispatch, daemon=True, name="reward-dispatch")
+        self._dispatcher.start()
+
+    def submit(self, reward_fn: Callable[[str, dict], float], response: str, sample: dict, *,
+               timeout_s: float = 30.0) -> int:
+        """Queue ``reward_fn(response, sample)``; returns the item's index in ``results()``."""
+        if self._closed:
+            raise RuntimeError("ScoringPool.submit after results() or close()")
+        index = self._submitted
+        self._submitted += 1
+        self._events.put(("item", (index, reward_fn, response, sample, timeout_s)))
+        return index
+
+    def close(self) -> None:
+        """No more items: the dispatcher ends once the submitted ones are done (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._events.put(("close", None))
+
+    def results(self) -> list[Any]:
+        """Wait for every submitted item; per item (submission order) its raw value: the reward's
+        return value or the exception it raised / ``TimeoutError``. Closes the pool."""
+        self.close()
+        self._dispatcher.join()
+        if self._failure is not None:
+            raise RuntimeError("reward dispatcher failed") from self._failure
+        return self._raw
+
+    # -- dispatcher thread ------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        pending: deque = deque()  # items waiting for a worker
+        active: dict[int, tuple[list[int], Optional[float]]] = {}  # job -> (item indices, deadline)
+        results: dict[int, Any] = {}
+        closed, jobs = False, 0
         try:
-            i, value = done_q.get(timeout=wait_s)
-            if i in active:  # results of abandoned (timed-out) items are dropped
-                del active[i]
-                results[i], finished = value, finished + 1
-        except queue.Empty:
-            now = time.monotonic()
-            for i in [i for i, t0 in active.items() if now - t0 >= timeout_s]:
-                del active[i]
-                results[i], finished = _TIMED_OUT, finished + 1
-    return results
+            while True:
+                while len(active) < self.max_workers and pending:
+                    items = _next_job(pending)
+                    deadline = None if len(items) > 1 or _is_batch(items[0][1]) else time.monotonic() + items[0][4]
+                    active[jobs] = ([item[0] for item in items], deadline)
+                    threading.Thread(target=self._work, args=(jobs, items), daemon=True,
+                                     name=f"reward-{items[0][0]}").start()
+                    jobs += 1
+                if closed and not pending and not active:
+                    break
+                deadlines = [d for _, d in active.values() if d is not None]
+                wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                try:
+                    kind, payload = self._events.get(timeout=wait_s)
+                except queue.Empty:
+                    kind, payload = "tick", None
+                if kind == "item":
+                    pending.append(payload)
+                elif kind == "close":
+                    closed = True
+                elif kind == "done" and payload[0] in active:  # abandoned (timed-out) jobs are dropped
+                    indices, _ = active.pop(payload[0])
+                    results.update(zip(indices, payload[1]))
+                now = time.monotonic()
+                for job in [j for j, (_, d) in active.items() if d is not None and d <= now]:
+                    results[active.pop(job)[0][0]] = _TIMED_OUT
+        except BaseException as e:  # noqa: BLE001 - surfaced by results()
+            self._failure = e
+        self._raw = [results.get(i, _TIMED_OUT) for i in range(self._submitted)]
+
+    def _work(self, job: int, items: list[tuple]) -> None:
+        fn = items[0][1]
+        if _is_batch(fn):
+            values = _call_batch(fn, [item[2] for item in items], [item[3] for item in items])
+        else:
+            try:
+                values = [fn(items[0][2], items[0][3])]
+            except BaseException as e:  # noqa: BLE001 - reported as this item's error
+                values = [e]
+        self._events.put(("done", (job, values)))
+
+
+def _is_batch(fn: Any) -> bool:
+    return isinstance(fn, BoundReward) and fn.has_batch
+
+
+def _next_job(pending: deque) -> list[tuple]:
+    """The oldest waiting item, with every other waiting item of the same batch reward."""
+    first = pending.popleft()
+    if not _is_batch(first[1]):
+        return [first]
+    same = [item for item in pending if item[1] is first[1]]
+    for item in same:
+        pending.remove(item)
+    return [first, *same]
+
+
+def finalize_scores(raw: list[Any], name: str) -> tuple[list[float], int]:
+    """Raw reward values (or exceptions) -> scores clamped to [0, 1] (errors and non-finite
+    values score 0) and the error count; the first errors are logged under reward ``name``."""
+    return _finalize(raw, name)
 
 
 def _finalize(raw: list[Any], name: str) -> tuple[list[float], int]:

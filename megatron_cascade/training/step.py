@@ -219,8 +219,9 @@ def _with_rows(batch: TrainBatch, rows: int) -> TrainBatch:
     all padding: a dummy forward that keeps this rank in step, its log-probs thrown away)."""
     if batch.size == 0:
         shape = (rows, max(batch.seq_length, 1))
-        return TrainBatch(input_ids=torch.zeros(shape, dtype=torch.long), target_ids=torch.zeros(shape, dtype=torch.long),
-                          loss_mask=torch.zeros(shape), padding_mask=torch.ones(shape, dtype=torch.bool))
+        zeros = torch.zeros(shape, dtype=torch.long)
+        return TrainBatch(input_ids=zeros, target_ids=zeros, loss_mask=torch.zeros(shape),
+                          padding_mask=torch.ones(shape, dtype=torch.bool))
     return batch.padded_to_multiple(rows) if rows > batch.size else batch
 
 
