@@ -15,53 +15,55 @@ and key length 0; their output rows are zero.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 _INSTALLED = False
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached positions of each request: ``[R, length, kv_heads, d]``."""
-    blocks = math.ceil(length / cache.shape[1])
-    ids = block_table[:, :blocks].clamp(min=0).long()
-    gathered = cache[ids]  # [R, blocks, block_size, kv_heads, d]
-    return gathered.flatten(1, 2)[:, :length]
+def _slots(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int, longest: int) -> torch.Tensor:
+    """Flat cache slot ``[R, longest]`` of each request's positions. Positions at or beyond a
+    request's length point at its position 0 instead: always written, so finite (unwritten slots
+    hold torch.empty garbage, possibly NaN, which would leak through a mask as NaN scores)."""
+    pos = torch.arange(longest, device=block_table.device)
+    slots = block_table[:, pos // block_size].long() * block_size + pos % block_size
+    slots = torch.where(pos.unsqueeze(0) < lengths.unsqueeze(1), slots, slots[:, :1])
+    return slots.clamp(min=0)  # padding requests (no blocks): any slot, their rows are discarded
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache [blocks, block_size, kv_heads, d]`` at ``slots [R, L]`` -> ``[R, kv_heads, L, d]``."""
+    rows = cache.flatten(0, 1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[2:]).transpose(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """Softmax attention of ``q [R, sq, h, d]`` over ``k, v [R, sk, hk, d]`` (GQA: heads repeated)
-    where ``allowed [R, sq, sk]``; rows with no allowed key give 0. Returns ``[R, sq, h, d]``."""
-    # Unwritten cache slots hold whatever the buffer held (torch.empty): zero the values that no
-    # query may see, or 0 * NaN would leak into the output.
-    v = v.masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=2)
-        v = v.repeat_interleave(groups, dim=2)
-    scores = torch.einsum("rqhd,rkhd->rhqk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows (padding) -> 0
-    return torch.einsum("rhqk,rkhd->rqhd", probs, v.float()).to(q.dtype)
+    """Attention of ``q [R, sq, h, d]`` over ``k, v [R, hk, sk, d]`` (GQA) where ``allowed
+    [R, sq, sk]``; every row must allow at least one key. Returns ``[R, sq, h, d]``."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed.unsqueeze(1), scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[2])
+    return out.transpose(1, 2)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor, block_table: torch.Tensor, causal: bool = True,
                             softmax_scale: Optional[float] = None, **_: object) -> torch.Tensor:
     """Decode: ``q [R, 1, h, d]`` attends to each request's ``cache_seqlens[r]`` cached positions
-    (the new token's K/V were appended before the call). Returns ``[R, 1, h, d]``."""
+    (the new token's K/V were appended before the call). Returns ``[R, 1, h, d]``; rows of padding
+    requests (length 0) are 0."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     lengths = cache_seqlens.long()
     longest = int(lengths.max()) if lengths.numel() else 0
     if longest == 0:
         return torch.zeros_like(q)
-    k = _gather_kv(k_cache, block_table, longest)
-    v = _gather_kv(v_cache, block_table, longest)
-    allowed = (torch.arange(longest, device=q.device).unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(1)
-    return _attend(q, k, v, allowed, scale)
+    slots = _slots(block_table, lengths, k_cache.shape[1], longest)
+    # Padding rows attend to one slot and are zeroed afterwards.
+    allowed = (torch.arange(longest, device=q.device).unsqueeze(0) < lengths.clamp(min=1).unsqueeze(1)).unsqueeze(1)
+    out = _attend(q, _gather(k_cache, slots), _gather(v_cache, slots), allowed, scale)
+    return out.masked_fill((lengths == 0)[:, None, None, None], 0.0)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -88,8 +90,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     for r, n in enumerate(q_len):
         if n <= 1:
             continue
-        keys = _gather_kv(k, block_table[r:r + 1], kv_len[r])
-        values = _gather_kv(v, block_table[r:r + 1], kv_len[r])
+        slots = _slots(block_table[r:r + 1], torch.tensor([kv_len[r]], device=q.device), k.shape[1], kv_len[r])
+        keys, values = _gather(k, slots), _gather(v, slots)
         query_pos = torch.arange(kv_len[r] - n, kv_len[r], device=q.device).unsqueeze(1)
         allowed = (torch.arange(kv_len[r], device=q.device).unsqueeze(0) <= query_pos).unsqueeze(0)
         out[q_start[r]:q_start[r] + n] = _attend(q[q_start[r]:q_start[r] + n].unsqueeze(0), keys, values,
