@@ -89,6 +89,30 @@ class TrainBatch:
         batch = self.with_padding_mask()
         return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=1) for f in fields(batch)})
 
+    def loss_rows_only(self) -> "TrainBatch":
+        """The rows with at least one loss token, cut after the last position that carries loss.
+
+        What is dropped adds nothing to a loss, its gradient or its metrics (all sums over loss
+        positions), and attention is causal, so no kept position saw a dropped one: a dense model
+        computes the same loss on the smaller batch. Filtered GRPO groups, masked overlong responses
+        and padding rows are dropped this way. One (fully masked) row of one position is kept when
+        no row has loss, so that the caller still runs a forward and its collectives.
+        """
+        mask = self.loss_mask.bool()
+        rows = mask.any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return self.select(slice(0, 1)).truncated(1)
+        columns = int(mask[rows].any(dim=0).nonzero().max()) + 1
+        if rows.numel() == self.size and columns == self.seq_length:
+            return self
+        return self.select(rows).truncated(columns)
+
+    def truncated(self, seq_length: int) -> "TrainBatch":
+        """The first ``seq_length`` positions of every row ([B] advantages are kept whole)."""
+        if seq_length >= self.seq_length:
+            return self
+        return replace(self, **{f.name: _first_positions(getattr(self, f.name), seq_length) for f in fields(self)})
+
     def with_padding_mask(self) -> "TrainBatch":
         """The batch with ``padding_mask`` materialised (all False when it was None)."""
         if self.padding_mask is not None:
@@ -106,6 +130,10 @@ class TrainBatch:
 
 def _take(value: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
     return None if value is None else value[rows]
+
+
+def _first_positions(value: Optional[torch.Tensor], seq_length: int) -> Optional[torch.Tensor]:
+    return value if value is None or value.dim() < 2 else value[:, :seq_length]
 
 
 def _move(value: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

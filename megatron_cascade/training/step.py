@@ -108,6 +108,23 @@ def _zero_grads(policy: Policy) -> None:
     policy.optimizer.zero_grad()
 
 
+def _loss_bearing(batch: TrainBatch, model: torch.nn.Module) -> TrainBatch:
+    """What the training forward/backward needs of ``batch``: only its rows with loss tokens, up to
+    the last loss position (``TrainBatch.loss_rows_only``), where that gives the same gradient.
+
+    Filtered GRPO groups (all rewards equal), masked overlong responses and padding rows are then
+    not run at all. Kept whole for MoE models (routers count every non-padding token in their
+    load-balancing statistics and expert-bias loads, and expert-parallel all-to-alls need the same
+    forwards on every rank) and with dropout (its masks are drawn per element of the batch shape).
+    """
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    if config.num_moe_experts or config.hidden_dropout > 0 or config.attention_dropout > 0:
+        return batch
+    return batch.loss_rows_only()
+
+
 def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict:
     """Forward+backward of the global loss; leaves the finalised (DP-reduced) gradient in the
     policy's grad buffers. Collective over all ranks; returns global loss metrics (same on all ranks).
@@ -115,9 +132,10 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     if policy.parallel.context_parallel_size > 1:
         raise NotImplementedError("parallel.context_parallel_size > 1: splitting sequences over CP ranks "
                                   "is not implemented in the training step")
-    micros = list(_schedulable(batch, policy.chunks, training.micro_batch_size).micro_batches(
+    normalizer = global_normalizer(spec, batch)  # of the whole batch, before loss-free rows are dropped
+    work = _loss_bearing(batch, policy.chunks[0])
+    micros = list(_schedulable(work, policy.chunks, training.micro_batch_size).micro_batches(
         training.micro_batch_size))
-    normalizer = global_normalizer(spec, batch)
     _zero_grads(policy)
     for chunk in policy.chunks:
         chunk.train()
