@@ -61,17 +61,35 @@ class StageForward:
         self(tokens, tokens, None)
 
 
+# Where Megatron modules keep their sequence-parallel switches (as ``set_model_to_sequence_parallel``).
+_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
 @contextlib.contextmanager
 def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
-    """Sequence parallelism off in every module for the duration, restored afterwards."""
+    """Sequence parallelism off in every module for the duration; each flag restored exactly.
+
+    Megatron's ``set_model_to_sequence_parallel(model, True)`` would set every flag back to True,
+    also those that were False before (expert linears with expert_tensor_parallel_size=1): the
+    next training forward would then gather expert inputs that are not split. So the flags that
+    were True are recorded and only those are restored.
+    """
     gpt = unwrap_model(model)
     if not getattr(gpt.config, "sequence_parallel", False):
         yield
         return
-    from megatron.core.transformer.utils import set_model_to_sequence_parallel
-
-    set_model_to_sequence_parallel(gpt, False)
+    switched = [(module, attr) for module in gpt.modules() for attr in _SP_ATTRS
+                if getattr(module, attr, None) is True]
+    configs = {id(m.config): m.config for m in gpt.modules()
+               if getattr(getattr(m, "config", None), "sequence_parallel", False) is True}
+    for module, attr in switched:
+        setattr(module, attr, False)
+    for cfg in configs.values():
+        cfg.sequence_parallel = False
     try:
         yield
     finally:
-        set_model_to_sequence_parallel(gpt, True)
+        for module, attr in switched:
+            setattr(module, attr, True)
+        for cfg in configs.values():
+            cfg.sequence_parallel = True

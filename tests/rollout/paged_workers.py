@@ -98,6 +98,7 @@ def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
         load_model_weights(model, weights_dir, MOE)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [rank] if dp > 1 else [0, 1]
+    before = _sequence_parallel_state(model)
     out = {}
     for r in mine:
         batch = generate(model, EP_PROMPTS[r], EP_PARAMS[r], tokenizer=TOKENIZER)
@@ -109,4 +110,12 @@ def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
         out["alone"] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
                         "dummy": batch.stats.dummy_steps}
     out["sequence_parallel_restored"] = model.config.sequence_parallel == parallel.sequence_parallel
+    out["sequence_parallel_state"] = (before, _sequence_parallel_state(model))
     return out
+
+
+def _sequence_parallel_state(model) -> list:
+    """Every module's sequence-parallel flags (generation turns them off, then must restore them)."""
+    attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+    return [(name, attr, getattr(module, attr)) for name, module in model.named_modules() for attr in attrs
+            if hasattr(module, attr)] + [("config", "sequence_parallel", model.config.sequence_parallel)]

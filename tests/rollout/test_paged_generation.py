@@ -92,3 +92,5 @@ def test_moe_tensor_and_sequence_parallel_match_one_process(moe_ref, parallel):
     for got in run_distributed(moe_worker, 2, parallel, weights, False, timeout_s=240):
         assert got[0]["tokens"] == ref[0]["tokens"] and got[1]["tokens"] == ref[1]["tokens"]
         assert got["sequence_parallel_restored"]
+        before, after = got["sequence_parallel_state"]
+        assert after == before, [(x, y) for x, y in zip(before, after) if x != y]
