@@ -35,7 +35,12 @@ SIZES = {
     "small": dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2),
     "large": dict(num_layers=8, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8, num_query_groups=4),
 }
-PROMPTS, SAMPLES, MAX_NEW_TOKENS, LR, SEED = 2, 8, 32, 1e-5, 1234
+PROMPTS, SAMPLES, MAX_NEW_TOKENS, SEED = 2, 8, 32, 1234
+# Learning rate 0: both policies keep their initial weights, so every step samples the same amount of
+# work (the optimizer still runs in full). With lr > 0 ours learns to stop early within a few steps
+# (rollout.overlong_policy=zero rewards only finished responses; TRL rewards truncated ones too) and
+# would time shorter responses than TRL.
+LR = 0.0
 # Two instructions that random text follows about a quarter / three quarters of the time: groups get
 # different rewards (informative), so every step trains on all 16 rows.
 INSTRUCTIONS = [{"id": "punctuation:no_comma", "kwargs": {}},
@@ -125,7 +130,8 @@ def run_ours(size: str, warmup: int, steps: int, kl_coef: float, profile: str | 
                                      - m["time/train_s"] for m in metrics)
     med["min_step_s"] = min(m["time/step_s"] for m in metrics)
     med["skipped"] = sum(m.get("skipped", 0.0) for m in metrics)
-    med["response_length"] = statistics.median(m["response/length_mean"] for m in metrics)
+    med["lengths"] = [m["response/length_mean"] for m in metrics]
+    med["informative"] = statistics.mean(m["groups/informative_frac"] for m in metrics)
     return med
 
 
@@ -182,6 +188,7 @@ def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
     times: list[float] = []
     cpu_times: list[float] = []
     generation: list[float] = []
+    lengths: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -190,6 +197,10 @@ def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.start)
             cpu_times.append(time.process_time() - self.cpu)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
@@ -210,7 +221,8 @@ def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
 
         trainer._generate_and_score_completions = timed
         trainer.train()
-    print(json.dumps({"step": times[warmup:], "cpu": cpu_times[warmup:], "generation": generation[warmup:]}))
+    print(json.dumps({"step": times[warmup:], "cpu": cpu_times[warmup:], "generation": generation[warmup:],
+                      "lengths": lengths[warmup:]}))
 
 
 def run_trl(size: str, warmup: int, steps: int, kl_coef: float) -> dict | None:
@@ -223,7 +235,12 @@ def run_trl(size: str, warmup: int, steps: int, kl_coef: float) -> dict | None:
         raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"time/step_s": statistics.median(result["step"]), "min_step_s": min(result["step"]),
-            "cpu_s": statistics.median(result["cpu"]), "time/generation_s": statistics.median(result["generation"])}
+            "cpu_s": statistics.median(result["cpu"]), "time/generation_s": statistics.median(result["generation"]),
+            "lengths": result["lengths"]}
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.1f}" for v in values)
 
 
 def main() -> None:
@@ -248,14 +265,15 @@ def main() -> None:
     ours = run_ours(args.size, args.warmup, args.steps, args.kl_coef, args.profile)
     print(f"ours: {ours['time/step_s']:.3f} s/step, min {ours['min_step_s']:.3f}, CPU {ours['cpu_s']:.3f} s "
           f"(generation {ours['time/generation_s']:.3f}, rewards {ours['time/reward_s']:.3f}, train "
-          f"{ours['time/train_s']:.3f}, other {ours['other']:.3f}; mean response {ours['response_length']:.1f} "
-          f"tokens, skipped steps {ours['skipped']:.0f})")
+          f"{ours['time/train_s']:.3f}, other {ours['other']:.3f}; skipped steps {ours['skipped']:.0f}, informative groups {ours['informative']:.0%})")
+    print(f"      mean response tokens per step: {_fmt(ours['lengths'])}")
     trl = None if args.no_trl else run_trl(args.size, args.warmup, args.steps, args.kl_coef)
     if trl is None:
         print("TRL: not importable (or --no-trl); ours only")
         return
     print(f"TRL:  {trl['time/step_s']:.3f} s/step, min {trl['min_step_s']:.3f}, CPU {trl['cpu_s']:.3f} s "
           f"(generation + scoring {trl['time/generation_s']:.3f})")
+    print(f"      mean response tokens per step: {_fmt(trl['lengths'])}")
     print(f"speed-up ours vs TRL: {trl['time/step_s'] / ours['time/step_s']:.2f}x (median), "
           f"{trl['min_step_s'] / ours['min_step_s']:.2f}x (min)")
 
