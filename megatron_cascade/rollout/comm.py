@@ -10,8 +10,10 @@ import torch.distributed as dist
 from megatron_cascade.rollout.sampling import SampleOutput
 
 
-def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.device) -> SampleOutput:
-    """The last pipeline stage's TP rank 0 result, on every TP and PP rank of this model replica.
+def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.device,
+               pipeline: bool = True) -> SampleOutput:
+    """The last pipeline stage's TP rank 0 result, on every TP and PP rank of this model replica
+    (``pipeline=False``: on the last stage's TP ranks only; the overlapped pipeline sends it on).
 
     Each TP rank of the last stage samples from identical gathered logits with an identically
     seeded generator, so they already agree; the TP broadcast makes that a guarantee rather than an
@@ -20,14 +22,19 @@ def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.devic
     """
     from megatron.core import parallel_state as ps
 
-    # One float64 message [3, B]: token ids are exact in float64 (< 2**53), log-probs widen losslessly.
-    packed = torch.empty((3, batch_size), dtype=torch.float64, device=device)
-    if out is not None:
-        packed[0] = out.tokens.to(torch.float64)
-        packed[1] = out.temperature_logprobs.to(torch.float64)
-        packed[2] = out.sampled_logprobs.to(torch.float64)
+    packed = pack(out) if out is not None else torch.empty((3, batch_size), dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_world_size() > 1:
         dist.broadcast(packed, ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if pipeline and ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return unpack(packed)
+
+
+def pack(out: SampleOutput) -> torch.Tensor:
+    """One float64 message ``[3, B]``: token ids are exact in float64 (< 2**53), log-probs widen losslessly."""
+    return torch.stack([out.tokens.to(torch.float64), out.temperature_logprobs.to(torch.float64),
+                        out.sampled_logprobs.to(torch.float64)])
+
+
+def unpack(packed: torch.Tensor) -> SampleOutput:
     return SampleOutput(packed[0].long(), packed[1].float(), packed[2].float())

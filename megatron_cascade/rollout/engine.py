@@ -20,6 +20,10 @@ engine) would run more requests at once; it is left for when a GPU profile says 
 Expert-parallel lockstep: MoE all-to-alls need every rank of the expert-parallel group in every
 forward. One all-reduce (MAX over the EP group) per step decides whether any rank still has work;
 a rank without (finished early, or called with no prompts) runs a dummy forward instead.
+
+Pipeline parallelism: by default one lane (one KV cache), every step through all stages in turn.
+With ``overlap_pipeline_stages`` the requests are split over one lane per stage and the stages
+work on different lanes at once (``_run_pipelined``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,22 @@ OnFinished = Callable[[int, RolloutSample], None]
 _MAX_TOKENS_PER_STEP = 16384
 
 
+class _Lane:
+    """One paged KV cache and the requests in it. One lane without pipeline parallelism; with it,
+    one lane per stage so that the stages work on different lanes at once (see ``_run_pipelined``)."""
+
+    def __init__(self, ctx: PagedContext, usable: int) -> None:
+        self.ctx = ctx
+        self.usable = usable  # blocks for requests
+        self.reserved = 0  # blocks reserved by live requests (their whole budget)
+        self.forks: dict[int, list[int]] = {}  # request id -> samples to fork from it after its prefill
+        self.awaiting: Optional[tuple] = None  # non-last stages: the step whose tokens are on the way
+
+    @property
+    def has_work(self) -> bool:
+        return self.ctx.total_request_count > 0
+
+
 class PagedGenerator:
     """Runs one ``generate`` call's samples to completion on this rank (collective over the
     model-parallel group, and over the expert-parallel group when EP > 1).
@@ -57,7 +77,10 @@ class PagedGenerator:
 
     def __init__(self, model: torch.nn.Module, samples: list[RolloutSample], budgets: list[int],
                  params: SamplingParams, tokenizer: Tokenizer, kv_cache: KVCacheConfig,
-                 on_finished: Optional[OnFinished] = None) -> None:
+                 on_finished: Optional[OnFinished] = None, overlap_pipeline_stages: bool = False) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.overlap = overlap_pipeline_stages
         self.forward = StageForward(model)
         self.samples, self.budgets, self.params = samples, budgets, params
         self.vocab_size = tokenizer.vocab_size
@@ -67,8 +90,9 @@ class PagedGenerator:
         self.keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
                                  dtype=torch.int64, device=self.device)
         self.queue: deque[list[int]] = deque(_groups(samples))
-        self.forks: dict[int, list[int]] = {}
-        self.ctx: Optional[PagedContext] = None
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self.lanes: list[_Lane] = []
         self.stats = GenerationStats()
         if samples:
             self._build(kv_cache)
@@ -77,49 +101,109 @@ class PagedGenerator:
         layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
-        self.usable = usable_blocks(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve))
-        self.reserved = 0
+        usable = usable_blocks(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve))
+        lanes = self._lane_count(usable, max(self.reserve))
         longest_prompt = max(len(s.prompt_ids) for s in self.samples)
-        max_requests = min(len(self.samples), self.usable)
-        max_tokens = max(_MAX_TOKENS_PER_STEP, longest_prompt + max_requests)
         tp = self.forward.tp_size
-        # Both are padded to multiples of the TP size (sequence-parallel MoE layers split the step).
-        max_requests, max_tokens = _round_up(max_requests, tp), _round_up(max_tokens, tp)
-        self.ctx = build_context(layout, self.usable, max_requests, max_tokens, max(lengths))
-        self.stats.kv_cache_bytes = self.ctx.memory_buffer.numel() * self.ctx.memory_buffer.element_size()
+        for _ in range(lanes):
+            share = usable // lanes
+            max_requests = min(len(self.samples), share)
+            max_tokens = max(_MAX_TOKENS_PER_STEP, longest_prompt + max_requests)
+            # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
+            ctx = build_context(layout, share, _round_up(max_requests, tp), _round_up(max_tokens, tp), max(lengths))
+            self.lanes.append(_Lane(ctx, share))
+            self.stats.kv_cache_bytes += ctx.memory_buffer.numel() * ctx.memory_buffer.element_size()
+
+    def _lane_count(self, usable: int, largest: int) -> int:
+        """One lane per pipeline stage when overlap is asked for and possible: PP > 1, at least two
+        requests, and a lane's share of the blocks still holds the largest request. Not with expert
+        parallelism, whose lockstep counts forwards of the single lane."""
+        lanes = self.pp_size
+        if (not self.overlap or lanes == 1 or self.ep_group is not None or len(self.samples) < 2
+                or usable // lanes < largest):
+            return 1
+        return lanes
 
     def run(self) -> None:
-        """Generate until every sample on every rank of the EP group is finished."""
-        from megatron.core import parallel_state as ps
+        """Generate until every sample (on every rank of the EP group) is finished."""
+        if len(self.lanes) > 1:
+            self._run_pipelined()
+        else:
+            self._run_lockstep()
 
-        ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+    def _run_lockstep(self) -> None:
+        """One lane; with EP, one all-reduce per step decides whether any EP rank has work."""
+        lane = self.lanes[0] if self.lanes else None
         while True:
-            self._admit()
-            has_work = self.ctx is not None and self.ctx.total_request_count > 0
+            if lane is not None:
+                self._admit(lane)
+            has_work = lane is not None and lane.has_work
             if self.queue and not has_work:
                 raise RuntimeError("generate: requests wait but none runs (KV reservation bookkeeping is off)")
             any_work = has_work
-            if ep_group is not None:
+            if self.ep_group is not None:
                 flag = torch.tensor([int(has_work)], dtype=torch.int64, device=self.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ep_group)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ep_group)
                 any_work = bool(flag.item())
             if not any_work:
                 return
             self.stats.steps += 1
             if has_work:
-                self.stats.peak_requests = max(self.stats.peak_requests, self.ctx.total_request_count)
-                self._step()
+                order, rows, sources, children, logits = self._forward_lane(lane, async_send=False)
+                out = share_step(self._sample(logits, rows, sources), len(rows), self.device)
+                self._apply(lane, order, rows, children, out)
             else:
                 self.stats.dummy_steps += 1
                 self.forward.dummy()
 
-    def _admit(self) -> None:
+    def _run_pipelined(self) -> None:
+        """Pipeline stages overlapped: lane after lane, each stage runs its part of a lane's step
+        and moves on to the next lane while later stages work on this one.
+
+        With lanes A, B on two stages: stage 0 runs A, sends A's hidden states (non-blocking) and
+        runs B while stage 1 runs A; stage 1 samples A and sends the tokens back (non-blocking)
+        before taking B; stage 0 applies A's tokens and starts A's next step. Every stage keeps
+        the same bookkeeping (admissions in lane order, updates from the same tokens), so all
+        agree on which lanes have work, and when to stop.
+        """
+        pending: list = []
+        while True:
+            progressed = False
+            for lane in self.lanes:
+                if lane.awaiting is not None:
+                    self._receive_tokens(lane)
+                self._admit(lane)
+                if not lane.has_work:
+                    continue
+                if self.queue and not any(x.has_work for x in self.lanes):
+                    raise RuntimeError("generate: requests wait but none runs")
+                progressed = True
+                self.stats.steps += 1
+                order, rows, sources, children, logits = self._forward_lane(lane, async_send=True, pending=pending)
+                if self.forward.last:
+                    out = share_step(self._sample(logits, rows, sources), len(rows), self.device, pipeline=False)
+                    pending.extend(self.forward.send_tokens(out))
+                    self._apply(lane, order, rows, children, out)
+                else:
+                    lane.awaiting = (order, rows, children)
+            for handle in pending:
+                handle.wait()
+            pending.clear()
+            if not progressed and all(lane.awaiting is None for lane in self.lanes):
+                return
+
+    def _receive_tokens(self, lane: _Lane) -> None:
+        order, rows, children = lane.awaiting
+        lane.awaiting = None
+        self._apply(lane, order, rows, children, self.forward.recv_tokens(len(rows)))
+
+    def _admit(self, lane: _Lane) -> None:
         """Add waiting prompts while blocks (reserved for their whole budget), request slots and
         the step's token limit allow; FIFO, so the order of admission is deterministic."""
         from megatron.core.inference.inference_request import DynamicInferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
 
-        ctx = self.ctx
+        ctx = lane.ctx
         pending_forks = 0
         while self.queue:
             group = self.queue[0]
@@ -128,7 +212,7 @@ class PagedGenerator:
             if ctx.active_token_count + len(prompt) > ctx.max_tokens:
                 return
             slots = ctx.max_requests - ctx.total_request_count - pending_forks
-            fits = (self.usable - self.reserved) // self.reserve[first]
+            fits = (lane.usable - lane.reserved) // self.reserve[first]
             take = min(len(group), slots, fits)
             if take == 0:
                 return
@@ -141,30 +225,39 @@ class PagedGenerator:
                 request_id=first, prompt_tokens=torch.tensor(prompt, dtype=torch.long, device=self.device),
                 sampling_params=MegatronSamplingParams(num_tokens_to_generate=self.budgets[first], termination_id=-1))
             ctx.add_request(request)
-            self.reserved += sum(self.reserve[i] for i in admitted)
-            self.forks[first] = admitted[1:]
+            lane.reserved += sum(self.reserve[i] for i in admitted)
+            lane.forks[first] = admitted[1:]
             pending_forks += take - 1
 
-    def _step(self) -> None:
-        ctx = self.ctx
+    def _forward_lane(self, lane: _Lane, async_send: bool, pending: Optional[list] = None):
+        """This stage's forward of one step of ``lane``. Returns the step's request order, the rows
+        to sample (a prefilled request once per sample admitted with it), each row's logits row,
+        the forks to make ``(logits row, child)`` and the logits (None off the last stage)."""
+        ctx = lane.ctx
+        self.stats.peak_requests = max(self.stats.peak_requests, ctx.total_request_count)
         ctx.initialize_attention_state()
         input_ids, position_ids = ctx.current_input_and_position_ids()
-        logits = self.forward(input_ids, position_ids, ctx)
+        logits = self.forward(input_ids, position_ids, ctx, pending=pending if async_send else None)
         order = ctx.active_request_ids()
         rows, sources, children = [], [], []
         for j, rid in enumerate(order):
             rows.append(rid)
             sources.append(j)
-            for child in self.forks.pop(rid, ()):
+            for child in lane.forks.pop(rid, ()):
                 rows.append(child)
                 sources.append(j)
                 children.append((j, child))
-        out = share_step(self._sample(logits, rows, sources), len(rows), self.device)
+        return order, rows, sources, children, logits
+
+    def _apply(self, lane: _Lane, order: list[int], rows: list[int], children: list, out) -> None:
+        """Record the step's tokens, fork new samples from their prompt's request, and let the
+        context advance (finished requests release their blocks)."""
+        ctx = lane.ctx
         for j, child in children:
             ctx.fork(ctx.paused_request_count + j, child)
         # Bookkeeping order after the forks: the step's requests, then the forked children.
         bookkeeping = order + [child for _, child in children]
-        finished = self._record(rows, out)
+        finished = self._record(lane, rows, out)
         position = {rid: i for i, rid in enumerate(rows)}
         take = torch.tensor([position[rid] for rid in bookkeeping], device=self.device)
         mask = torch.tensor([rid not in finished for rid in bookkeeping], dtype=torch.uint8, device=self.device)
@@ -184,7 +277,7 @@ class PagedGenerator:
             noise = gumbel_noise(self.keys[index], positions, step_logits.shape[-1])
         return sample(step_logits, self.params, self.vocab_size, None, gumbel=noise)
 
-    def _record(self, rows: list[int], out) -> set[int]:
+    def _record(self, lane: _Lane, rows: list[int], out) -> set[int]:
         """Append each row's token; return the rows that finished (their reservations released)."""
         tokens = out.tokens.tolist()
         temp_lp = out.temperature_logprobs.tolist()
@@ -200,7 +293,7 @@ class PagedGenerator:
                 continue
             s.finish_reason = reason
             finished.add(rid)
-            self.reserved -= self.reserve[rid]
+            lane.reserved -= self.reserve[rid]
             if self.on_finished is not None:
                 self.on_finished(rid, s)
         return finished

@@ -26,6 +26,7 @@ def generate(
     use_kv_cache: bool = True,
     kv_cache: Optional[KVCacheConfig] = None,
     on_finished: Optional[Callable[[int, RolloutSample], None]] = None,
+    overlap_pipeline_stages: bool = False,
 ) -> RolloutBatch:
     """Sample ``params.n`` responses for each prompt; collective over the model-parallel group
     (and over the expert-parallel group: see below).
@@ -53,6 +54,11 @@ def generate(
         on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
             sample finishes, while the others decode on (``sample_index`` indexes the returned
             batch); e.g. to start scoring it.
+        overlap_pipeline_stages: with PP > 1 (and EP = 1), split the requests into one KV lane per
+            stage so that stages work on different lanes at once instead of waiting for each other
+            (``engine._run_pipelined``). Same tokens either way. Off by default: on the shared
+            2-core CPU machine it was slower (twice the steps of half the rows, no spare core to
+            overlap on); meant for GPUs, where each stage has its own device, to be measured there.
 
     Sampling noise is a hash of (``params.seed``, prompt index, sample index, position), so a
     response does not depend on the batch it ran in, the KV budget or the TP/PP layout (up to the
@@ -72,7 +78,7 @@ def generate(
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
         if use_kv_cache:
             engine = PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
-                                    on_finished)
+                                    on_finished, overlap_pipeline_stages)
             engine.run()
             stats = engine.stats
         elif samples:

@@ -4,6 +4,8 @@ context, or a dummy forward (expert-parallel lockstep), with hidden states passe
 Pipeline parallelism: every stage holds the same request bookkeeping (each admits and finishes
 the same requests from the same broadcast tokens), so each knows the step's token count ``T`` and
 can post its receive of ``[T, 1, hidden]`` from the previous stage; the last stage returns logits.
+In the overlapped schedule sends do not block and the last stage sends each step's tokens to the
+other stages point to point (``send_tokens`` / ``recv_tokens``) instead of a broadcast.
 
 Sequence parallelism is turned off while generating (``sequence_parallel_off``), as Megatron's
 text generation controller does for inference: a decode step has a handful of tokens per step and
@@ -20,7 +22,9 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_cascade.rollout.comm import pack, unpack
 from megatron_cascade.rollout.model_runner import unwrap_model
+from megatron_cascade.rollout.sampling import SampleOutput
 
 
 class StageForward:
@@ -39,9 +43,14 @@ class StageForward:
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.device = next(self.gpt.parameters()).device
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context) -> Optional[torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context,
+                 pending: Optional[list] = None) -> Optional[torch.Tensor]:
         """Logits ``[1, R, V_padded]`` (R = the context's active requests, last tokens only; TP-gathered)
-        on the last stage, None elsewhere. ``input_ids``/``position_ids``: ``[1, T]``."""
+        on the last stage, None elsewhere. ``input_ids``/``position_ids``: ``[1, T]``.
+
+        ``pending``: send the hidden states without waiting, appending the send to it (the caller
+        waits before the tensors may be reused); None: a blocking send.
+        """
         if not self.first:
             cfg = self.gpt.config
             hidden = torch.empty((input_ids.shape[1], 1, cfg.hidden_size),
@@ -50,9 +59,31 @@ class StageForward:
             self.gpt.set_input_tensor(hidden)
         out = self.model(input_ids, position_ids, None, inference_context=context, runtime_gather_output=True)
         if not self.last:
-            dist.send(out.contiguous(), self._next)
+            out = out.contiguous()
+            if pending is None:
+                dist.send(out, self._next)
+            else:
+                pending.append(_Pending(dist.isend(out, self._next), out))
             return None
         return out
+
+    def send_tokens(self, out: SampleOutput) -> list:
+        """Last stage: this step's tokens to every other stage (non-blocking sends, to be waited on)."""
+        from megatron.core import parallel_state as ps
+
+        packed = pack(out)
+        group = ps.get_pipeline_model_parallel_group()
+        me = dist.get_rank()
+        return [_Pending(dist.isend(packed, rank), packed) for rank in dist.get_process_group_ranks(group)
+                if rank != me]
+
+    def recv_tokens(self, batch_size: int) -> SampleOutput:
+        """Other stages: the tokens the last stage sent for a step of ``batch_size`` rows."""
+        from megatron.core import parallel_state as ps
+
+        packed = torch.empty((3, batch_size), dtype=torch.float64, device=self.device)
+        dist.recv(packed, ps.get_pipeline_model_parallel_last_rank())
+        return unpack(packed)
 
     def dummy(self) -> None:
         """A forward of ``tp_size`` padding tokens without a context (no KV written), through every
@@ -63,6 +94,16 @@ class StageForward:
 
 # Where Megatron modules keep their sequence-parallel switches (as ``set_model_to_sequence_parallel``).
 _SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+class _Pending:
+    """A non-blocking send and the tensor it reads (kept alive until the send completes)."""
+
+    def __init__(self, work, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()
 
 
 @contextlib.contextmanager

@@ -140,4 +140,8 @@ def layout_worker(parallel: ParallelConfig, weights_dir: str) -> dict:
     out = {"greedy": _summary(greedy), "sampled": _summary(sampled)}
     if parallel.pipeline_model_parallel_size == 1:
         out["sampled_train"] = _training_check(model, sampled, SAMPLED.temperature)
+    else:
+        overlapped = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, overlap_pipeline_stages=True)
+        out["sampled_overlapped"] = _summary(overlapped)
+        out["overlapped_steps"] = overlapped.stats.steps
     return out

@@ -134,3 +134,9 @@ def test_layout_matches_single_process(ref, weights_dir, tag, parallel):
     assert ranks[0] == ranks[1]
     if tag == "tp2":
         assert ranks[0]["sampled_train"]["vs_trainer"] < LOGPROB_ATOL
+    else:
+        # Stages overlapped on two KV lanes: the same samples; every lane step counted per stage.
+        got = ranks[0]["sampled_overlapped"]
+        assert got["tokens"] == ref["sampled"]["tokens"]
+        _close(got["logprobs"], ref["sampled"]["logprobs"])
+        assert ranks[0]["overlapped_steps"] > SAMPLED.max_new_tokens
