@@ -136,7 +136,8 @@ def main() -> None:
     need = sum(-(-(len(p) + params.max_new_tokens) // 64) for p in prompts) * params.n * block_bytes
     budget = need // 4
     res = run_distributed(timing_worker, 1, work, args.repeats, budget, args.threads, timeout_s=3600)[0]
-    mem = {name: run_distributed(memory_worker, 1, name, work, args.threads, timeout_s=3600)[0] for name in ("static", "paged")}
+    mem = {name: run_distributed(memory_worker, 1, name, work, args.threads, timeout_s=3600)[0]
+           for name in ("static", "paged")}
 
     lengths = sorted(len(t) for t in res["paged"]["tokens"])
     generated = sum(lengths)
@@ -145,7 +146,8 @@ def main() -> None:
           f"{params.n} samples = {len(lengths)} requests; response lengths min {lengths[0]} / median "
           f"{lengths[len(lengths) // 2]} / mean {generated / len(lengths):.0f} / max {lengths[-1]} "
           f"({generated} tokens); identical responses: {same}")
-    print(f"{'generator':<28}{'seconds':>9}{'tokens/s':>10}{'speed-up':>10}{'KV MiB':>9}{'peak RSS MiB':>14}{'steps':>7}")
+    print(f"{'generator':<28}{'seconds':>9}{'tokens/s':>10}{'speed-up':>10}{'KV MiB':>9}{'peak RSS MiB':>14}"
+          f"{'steps':>7}")
     base = res["static"]["seconds"]
     rows = [("static (before)", "static", static_kv_bytes(prompts, params), mem["static"]),
             ("paged, continuous", "paged", res["paged"]["stats"]["kv_cache_bytes"], mem["paged"]),
@@ -153,7 +155,7 @@ def main() -> None:
              None)]
     for label, key, kv_bytes, rss in rows:
         r = res[key]
-        steps = r["stats"]["steps"] if r["stats"] else len(lengths) and max(lengths)
+        steps = r["stats"]["steps"] if r["stats"] else max(lengths)  # static: the longest response
         rss_text = f"{rss / 2**20:>14.0f}" if rss is not None else f"{'-':>14}"
         print(f"{label:<28}{r['seconds']:>9.2f}{generated / r['seconds']:>10.0f}{base / r['seconds']:>10.2f}"
               f"{kv_bytes / 2**20:>9.1f}{rss_text}{steps:>7}")

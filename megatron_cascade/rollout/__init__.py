@@ -6,5 +6,5 @@ from megatron_cascade.rollout.generate import generate
 from megatron_cascade.rollout.packing import PackedRollouts, pack_rollouts
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 
-__all__ = ["SamplingParams", "KVCacheConfig", "generate", "RolloutBatch", "RolloutSample", "FinishReason", "GenerationStats",
-           "PackedRollouts", "pack_rollouts"]
+__all__ = ["SamplingParams", "KVCacheConfig", "generate", "RolloutBatch", "RolloutSample", "FinishReason",
+           "GenerationStats", "PackedRollouts", "pack_rollouts"]

@@ -10,7 +10,6 @@ adds requests (``add_request``), runs forwards on ``current_input_and_position_i
 
 from __future__ import annotations
 
-import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
 from megatron_cascade.rollout.kv_budget import KVLayout

@@ -7,11 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from unittest import mock
 
-import torch
-
 from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
-from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
-from rollout_workers import GREEDY, MODEL, PROMPTS, SAMPLED, TOKENIZER, _setup, _summary
+from megatron_cascade.rollout import KVCacheConfig, generate
+from rollout_workers import GREEDY, PROMPTS, SAMPLED, TOKENIZER, _setup, _summary
 
 # One request (28-token prompt + 12 tokens) needs 3 blocks of 16 tokens: 4 usable blocks run one
 # or two requests at a time. Bytes per block: fp32 x (K, V) x 2 layers x 16 tokens x 2 KV heads x 16.
