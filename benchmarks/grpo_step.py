@@ -135,6 +135,114 @@ def run_ours(size: str, warmup: int, steps: int, kl_coef: float, profile: str | 
     return med
 
 
+# -- floors: the bare models, no trainer ------------------------------------------------------------
+def _timed(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` calls, in ms (the least disturbed by other work on a shared machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _count_ops(fn) -> int:
+    """Torch calls (ops and tensor methods) that one ``fn()`` makes."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def _model_floors(model, forward, decode_step, repeats: int) -> dict:
+    """ms of a forward+backward of the training batch, and of one decode step, with its op count.
+
+    ``forward(ids)`` returns [b, s, V] logits of ``model``; ``decode_step()`` runs one cached decode
+    forward (``model`` in eval mode)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (PROMPTS * SAMPLES, 16 + MAX_NEW_TOKENS + 1), generator=gen)
+    adv = torch.randn(PROMPTS * SAMPLES, 1, generator=gen)
+
+    def train():
+        logits = forward(ids[:, :-1]).float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(logprobs * adv).mean()).backward()
+
+    train_ms = _timed(train, repeats)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            decode_step()
+        decode_ms = _timed(decode_step, 4 * repeats)
+        decode_ops = _count_ops(decode_step)
+    return {"train_ms": train_ms, "decode_ms": decode_ms, "decode_ops": decode_ops}
+
+
+def _megatron_floors(size: str, repeats: int) -> dict:
+    """Megatron-Core GPTModel (CPU mode, static KV cache): no DDP, optimizer, engine or sampler."""
+    import torch
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from megatron_cascade.config import ModelConfig, ParallelConfig
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(), seed=SEED)
+    model = build_gpt_model(ModelConfig(vocab_size=103, max_position_embeddings=512, qk_layernorm=True,
+                                        rotary_base=1e6, **SIZES[size]), ParallelConfig())
+    rows = PROMPTS * SAMPLES
+    context = StaticInferenceContext(rows, 512)
+    token = torch.full((rows, 1), 7)
+
+    def decode_step():
+        position = torch.full((rows, 1), context.sequence_len_offset)
+        model(token, position, None, inference_context=context, runtime_gather_output=True)
+        context.increment_sequence_len_offset(1)
+
+    def forward(ids):
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+
+    return _model_floors(model, forward, decode_step, repeats)
+
+
+def _hf_floors(size: str, repeats: int) -> dict:
+    """Hugging Face Qwen3ForCausalLM (what TRL trains) with its DynamicCache."""
+    import torch
+    from transformers import DynamicCache
+
+    model = _hf_model(size)
+    rows = PROMPTS * SAMPLES
+    cache = DynamicCache(config=model.config)
+    token = torch.full((rows, 1), 7)
+
+    def decode_step():
+        model(token, past_key_values=cache, use_cache=True)
+
+    return _model_floors(model, lambda ids: model(input_ids=ids).logits, decode_step, repeats)
+
+
+def run_floors(size: str, repeats: int) -> None:
+    from megatron_cascade.testing import run_distributed
+
+    megatron = run_distributed(_megatron_floors, 1, size, repeats, timeout_s=900)[0]
+    hf = run_distributed(_hf_floors, 1, size, repeats, cpu_mode=False, timeout_s=900)[0]
+    decodes = MAX_NEW_TOKENS + 1
+    print(f"floors (bare models, fastest of {repeats}): forward+backward of the {PROMPTS * SAMPLES} x "
+          f"{16 + MAX_NEW_TOKENS} batch / one decode step of {PROMPTS * SAMPLES} rows (torch calls in it)")
+    for name, f in (("Megatron-Core", megatron), ("HF Qwen3", hf)):
+        print(f"  {name:<14} train {f['train_ms']:7.1f} ms   decode {f['decode_ms']:6.2f} ms ({f['decode_ops']} calls)"
+              f"   train + {decodes} decodes = {(f['train_ms'] + decodes * f['decode_ms']) / 1e3:.3f} s")
+
+
 # -- TRL -------------------------------------------------------------------------------------------
 def _hf_char_tokenizer():
     """A Hugging Face fast tokenizer with exactly ``builtin:char``'s ids (specials included)."""
@@ -153,6 +261,21 @@ def _hf_char_tokenizer():
     return tok
 
 
+def _hf_model(size: str):
+    """A random ``Qwen3ForCausalLM`` of our model's shape (vocabulary padded to 128 like ours), fp32."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(SEED)
+    m = SIZES[size]
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=128, hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m["num_query_groups"], head_dim=m["hidden_size"] // m["num_attention_heads"],
+        max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False, torch_dtype="float32",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
 def _chat_text(prompt: str) -> str:
     """The prompt as builtin:char's chat template writes it (the HF tokenizer maps it to the same ids)."""
     return "<bos><|user|>" + prompt + "<eos><|assistant|>"
@@ -169,17 +292,10 @@ def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
     import torch
     from datasets import Dataset
     from datasets.table import InMemoryTable
-    from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.manual_seed(SEED)
-    m = SIZES[size]
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=128, hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
-        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
-        num_key_value_heads=m["num_query_groups"], head_dim=m["hidden_size"] // m["num_attention_heads"],
-        max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=False, torch_dtype="float32",
-        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model = _hf_model(size)
     texts = [_chat_text(p) for p in prompt_texts()]
     # An explicit fingerprint: ``datasets`` would otherwise hash the table with dill, which fails on
     # some pyarrow versions; nothing here is cached.
@@ -251,6 +367,8 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a reference model's log-probs too")
     parser.add_argument("--profile", help="write a cProfile of our timed steps to this file")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is importable")
+    parser.add_argument("--floors", action="store_true",
+                        help="also time the bare models (Megatron-Core vs HF Qwen3): train and decode per call")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -262,6 +380,8 @@ def main() -> None:
     print(f"GRPO step, {args.size}: {m['num_layers']} layers x {m['hidden_size']}, {PROMPTS} prompts x {SAMPLES} "
           f"samples, <= {MAX_NEW_TOKENS} new tokens, fp32, {torch.get_num_threads()} threads; "
           f"median of {args.steps} steps after {args.warmup} warm-up")
+    if args.floors:
+        run_floors(args.size, args.steps)
     ours = run_ours(args.size, args.warmup, args.steps, args.kl_coef, args.profile)
     print(f"ours: {ours['time/step_s']:.3f} s/step, min {ours['min_step_s']:.3f}, CPU {ours['cpu_s']:.3f} s "
           f"(generation {ours['time/generation_s']:.3f}, rewards {ours['time/reward_s']:.3f}, train "
