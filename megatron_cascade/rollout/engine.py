@@ -98,6 +98,7 @@ class PagedGenerator:
             self._build(kv_cache)
 
     def _build(self, kv_cache: KVCacheConfig) -> None:
+        _check_paged_attention()
         layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
@@ -297,6 +298,19 @@ class PagedGenerator:
             if self.on_finished is not None:
                 self.on_finished(rid, s)
         return finished
+
+
+def _check_paged_attention() -> None:
+    """Megatron's paged attention needs flash-attn >= 2.7.3 or FA3 (CPU mode installs torch stand-ins);
+    without them it would fail deep in the first forward with an assertion."""
+    from megatron.core.transformer import attention
+
+    if attention.HAVE_FA3:
+        return
+    if attention.flash_attn_varlen_func is None or not attention.is_fa_min_version("2.7.3"):
+        raise RuntimeError("generate() runs Megatron's paged KV cache, which needs flash-attn >= 2.7.3 or "
+                           "flash-attn 3 on GPU (pip install 'flash-attn>=2.7.3'); use_kv_cache=False "
+                           "recomputes instead (slow)")
 
 
 def _groups(samples: list[RolloutSample]) -> list[list[int]]:

@@ -49,7 +49,20 @@ def budget_worker(weights_dir: str) -> dict:
         out["never_fits"] = None
     except ValueError as err:
         out["never_fits"] = str(err)
+    out["without_flash_attn"] = _without_flash_attn(model)
     return out
+
+
+def _without_flash_attn(model) -> str:
+    """What a GPU without flash-attn gets: the paged kernels missing (as before CPU mode's stand-ins)."""
+    from megatron.core.transformer import attention
+
+    with mock.patch.object(attention, "flash_attn_varlen_func", None):
+        try:
+            generate(model, PROMPTS[:1], GREEDY, tokenizer=TOKENIZER)
+        except Exception as err:  # noqa: BLE001 - the test inspects what was raised
+            return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 def _tokens_fed(model) -> tuple[int, int]:

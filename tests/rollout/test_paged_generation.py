@@ -57,6 +57,11 @@ def test_empty_call_returns_empty_batch(ref):
     assert ref["empty"] == (0, 0)
 
 
+def test_missing_flash_attn_is_a_clear_error(ref):
+    assert ref["without_flash_attn"].startswith("RuntimeError: generate() runs Megatron's paged KV cache, "
+                                                "which needs flash-attn >= 2.7.3")
+
+
 def test_request_that_can_never_fit_names_the_key(ref):
     assert "rollout.kv_cache_bytes" in ref["never_fits"] and "needs 3" in ref["never_fits"]
 
