@@ -1,4 +1,5 @@
-"""The token buffer of a generation batch: prompts left-padded so that they all end at one column.
+"""The token buffer of a static generation batch (``static.py``): prompts left-padded so that they
+all end at one column.
 
 Why left padding: Megatron's ``StaticInferenceContext`` keeps one write offset
 (``sequence_len_offset``) for the whole batch, so every row must take its next token at the same
@@ -10,7 +11,7 @@ between query and key, which left padding does not change (the results agree wit
 forward to float rounding; the tests check 1e-5 on log-probs).
 
 When every prompt of a batch has the same length there is no padding and no mask at all: the
-attention builds its own causal mask (``generate`` batches by prompt length for attention kernels
+attention builds its own causal mask (the static path batches by prompt length for attention kernels
 that cannot take an arbitrary mask, e.g. Transformer Engine's).
 """
 

@@ -1,4 +1,5 @@
-"""One forward step of generation: Megatron's static KV cache, or recomputing the whole prefix.
+"""One forward step of the static generation path (``static.py``): Megatron's static KV cache, or
+recomputing the whole prefix.
 
 With ``use_kv_cache=True`` the model runs under Megatron-Core's ``StaticInferenceContext`` (passed
 as ``inference_context=``): the first step (prefill) encodes the prompts, each later step feeds one
