@@ -48,7 +48,8 @@ def generate(
         max_sequence_length: prompt + response limit in tokens; default the model's
             ``max_sequence_length`` (``model.max_position_embeddings``).
         use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``);
-            False: the static batch recomputing the whole prefix every token (the reference).
+            False: the static batch recomputing the whole prefix every token (the reference; no
+            expert-parallel lockstep, so not for MoE with experts across data-parallel ranks).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
             half the free memory); requests that do not fit wait, one that never can is refused.
         on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
