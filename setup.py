@@ -24,7 +24,9 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
         # megatron-core 0.16.1's own supported range (its "dev" extra). NVIDIA apex is not on PyPI
         # (the PyPI "apex" is an unrelated package): build it from github.com/NVIDIA/apex if wanted.
-        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+        # flash-attn: the paged KV-cache kernels generation runs on GPU (megatron-core's dynamic
+        # inference path asserts flash-attn >= 2.7.3 or FA3); it builds against the local CUDA toolkit.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.7.3"],
     },
     entry_points={"console_scripts": ["megatron-cascade=megatron_cascade.cli:main"]},
 )

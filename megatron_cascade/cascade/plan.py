@@ -5,9 +5,10 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
 
 * static: weights, gradients, optimizer state (``static_memory``), plus the frozen KL reference
   (GRPO with ``loss.kl_coef > 0``) or the one resident MOPD teacher, in the model dtype;
-* generation: the static KV cache (``rollout/model_runner.py``: every local sample at
-  prompt + response length), the full-vocabulary logits of a decode step, and the prefill of one
-  layer over all local prompts;
+* generation (``rollout/engine.py``): the paged KV cache — ``rollout.kv_cache_bytes`` or
+  ``kv_cache_fraction`` of the memory the static state and frozen models leave, at most what every
+  local sample needs (prompt + response) — plus one generation step (the largest layer intermediates
+  of up to 16K tokens and the sampled rows' logits); a budget that cannot hold one sample is refused;
 * training: activations of the micro-batches in flight (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", generalised to GQA, SwiGLU and MoE top-k;
   with ``model.recompute`` none/selective/full) and the logits with their gradient (model dtype:
@@ -110,17 +111,10 @@ def memory_per_gpu(cfg: RunConfig, world_size: int) -> dict[str, float]:
 def check_runnable(cfg: RunConfig, layout: Layout) -> None:
     """Raise ``ConfigError`` (naming the key and the reason) for a layout or option this code or
     the libraries under it refuse at run time; called by the dry run before it plans anything."""
-    p, m = cfg.parallel, cfg.model
+    m = cfg.model
     if layout.cp > 1:
         raise ConfigError(f"parallel.context_parallel_size={layout.cp}: the training step does not split "
                           "sequences over context-parallel ranks yet (training/step.py); set it to 1")
-    generating = [s.name for s in cfg.stages if s.type in ("grpo", "mopd")]
-    if cfg.eval.enabled and any(d.eval for d in cfg.domains.values()):
-        generating.append("evaluation after each stage (eval.enabled)")
-    if p.sequence_parallel and generating:
-        raise ConfigError(f"parallel.sequence_parallel=true: generation (rollout/generate.py) does not run with "
-                          f"sequence parallelism, and these generate: {generating}; use TP=1 (with EP) for an "
-                          "MoE model, or drop sequence_parallel for a dense one")
     if m.moe.num_experts and m.moe.token_dispatcher_type == "flex":
         raise ConfigError("model.moe.token_dispatcher_type=flex needs DeepEP/HybridEP, which megatron-cascade "
                           "neither installs nor tests; use alltoall")
@@ -293,12 +287,50 @@ def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attenti
     return e * (2 * tokens * h + max(attention, mlp))
 
 
-def kv_cache_bytes(m: ModelConfig, layout: Layout, shape: Shape) -> float:
-    """Megatron's static KV cache: K and V of every local layer for every sequence at full length."""
+def kv_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
+    """K and V of one token in every layer of the most loaded pipeline stage, this rank's KV heads."""
     groups = m.num_query_groups or m.num_attention_heads
-    groups_per_rank = max(1, groups // layout.tp)  # TP > groups replicates the KV heads
-    per_token = 2 * (m.num_layers // layout.pp) * groups_per_rank * _head_dim(m) * _DTYPE_BYTES[m.precision]
-    return per_token * shape.seq * shape.batch
+    return 2 * (m.num_layers // layout.pp) * (groups // layout.tp) * _head_dim(m) * _DTYPE_BYTES[m.precision]
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """The paged generator's memory on one GPU (``rollout/engine.py``), bytes."""
+
+    kv_cache: float  # the KV blocks allocated: min(budget, what every local sample needs at once)
+    step: float  # one forward step: its largest layer intermediates and the sampled rows' logits
+    concurrent: int  # samples that run at once (each reserves prompt + max_new_tokens)
+    samples: int  # local samples of a step
+
+
+def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_bytes: float) -> GenerationPlan:
+    """What the paged generator allocates for ``stage``: every sample reserves the blocks of its prompt
+    plus ``max_new_tokens``; the cache is ``rollout.kv_cache_bytes`` (or ``kv_cache_fraction`` of
+    ``free_bytes``, the memory left by weights, optimizer and frozen models) or what all local samples
+    need, whichever is smaller. A step runs at most max(16384, prompt + concurrent requests) tokens
+    through flash attention (no [s x s] scores) and the output layer on each request's last token.
+
+    Raises ``ConfigError`` when the budget cannot hold one sample (generation would refuse to start).
+    """
+    m, r = cfg.model, stage.rollout
+    samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
+    prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
+    block = r.kv_block_size_tokens * kv_bytes_per_token(m, layout)
+    per_sample = math.ceil((prompt + r.max_new_tokens) / r.kv_block_size_tokens) * block
+    budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * free_bytes
+    if budget < per_sample + block and r.kv_cache_bytes is None and free_bytes <= 0:
+        budget = per_sample + block  # the static state alone overflows (the plan warns): plan one sample
+    if budget < per_sample + block:  # + Megatron's dummy block
+        key = "rollout.kv_cache_bytes" if r.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
+        raise ConfigError(f"stage {stage.name}: the KV cache budget ({budget / GIB:.1f} GiB from {key}) cannot hold "
+                          f"one sample of {prompt} + {r.max_new_tokens} tokens ({per_sample / GIB:.2f} GiB per GPU): "
+                          "raise it, lower rollout.max_new_tokens / data.max_prompt_tokens, or split the KV heads "
+                          "over more TP ranks / the layers over more PP stages")
+    concurrent = min(samples, int(budget // per_sample))
+    tokens = max(16384, prompt + concurrent)
+    step = prefill_bytes(m, layout, Shape(tokens, 1), fused_attention=True)
+    step += (_DTYPE_BYTES[m.precision] + 4) * concurrent * m.padded_vocab_size  # gathered logits, sampled in fp32
+    return GenerationPlan(min(budget, samples * per_sample + block), step, concurrent, samples)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------
@@ -309,10 +341,11 @@ class StageMemory:
     static: float  # weights + grads + optimizer
     frozen: float  # KL reference or resident MOPD teacher
     kv_cache: float
-    generation: float  # KV cache + decode logits + prefill of one layer
+    generation: float  # KV cache + one generation step (layer intermediates, sampled rows' logits)
     activations: float
     logits: float
     host_teachers: float  # offloaded MOPD teachers, per node
+    concurrent_samples: int = 0  # samples the KV cache runs at once (generation)
 
     @property
     def training(self) -> float:
@@ -336,20 +369,28 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     train_shape = Shape(seq, micro)
     activations = training_activation_bytes(cfg, layout, train_shape, in_flight)
     logits = logits_bytes(m, layout, seq / layout.cp * micro)
-    kv = generation = 0.0
-    if stage.type != "sft":
-        gen = Shape(seq, samples)
-        kv = kv_cache_bytes(m, layout, gen)
-        decode_logits = (e + 4) * samples * m.padded_vocab_size  # gathered over TP, sampled in fp32
-        prefill = prefill_bytes(m, layout, Shape(prompt, samples), fused_attention=cfg.cluster.transformer_engine)
-        generation = kv + decode_logits + prefill
     frozen_weights = e * (dense + expert)
     with_reference = stage.type == "grpo" and stage.loss.kl_coef > 0
     frozen = frozen_weights if (with_reference or stage.type == "mopd") else 0.0
+    static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
+    kv = generation = 0.0
+    concurrent = 0
+    if stage.type != "sft":
+        gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen)
+        kv, generation, concurrent = gen.kv_cache, gen.kv_cache + gen.step, gen.concurrent
     distinct_teachers = len(set(stage.teachers.values())) if stage.type == "mopd" else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
-    return StageMemory(memory_per_gpu(cfg, layout.world_size)["total_gib"], frozen / GIB, kv / GIB,
-                       generation / GIB, activations / GIB, logits / GIB, host / GIB)
+    return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
+                       host / GIB, concurrent)
+
+
+def _concurrency(mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
+    if stage.type == "sft":
+        return ""
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    layout = resolve_layout(cfg.model, cfg.parallel, world, check_this_machine=False)
+    samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
+    return f", {mem.concurrent_samples} of {samples} samples at once"
 
 
 def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
@@ -358,7 +399,7 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
         frozen = f" + {'teacher' if stage.type == 'mopd' else 'kl-reference'} {mem.frozen:.1f}"
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
-            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}], training {mem.training:.1f} [activations "
+            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem, stage, cfg)}], training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, logits {mem.logits:.1f}]){host}")
 
 

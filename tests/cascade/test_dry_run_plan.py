@@ -1,6 +1,6 @@
 """``run --dry-run`` refuses what the code cannot run (naming the key) and its memory plan adds
-activations, logits, the generation KV cache and frozen models; the activation term is checked
-against Korthikanti et al. 2022's closed forms computed by hand."""
+activations, logits, the paged generation KV cache (its budget) and frozen models; the activation
+term is checked against Korthikanti et al. 2022's closed forms computed by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from megatron_cascade.cascade.plan import (
     Shape,
     describe_plan,
-    kv_cache_bytes,
+    generation_plan,
+    kv_bytes_per_token,
     layer_activation_bytes,
     stage_memory,
     training_activation_bytes,
@@ -41,8 +42,7 @@ def small_config(tmp_path, *overrides: str, sft: bool = False):
 
 REFUSED = {
     "cp": (["parallel.context_parallel_size=2"], False, "parallel.context_parallel_size=2"),
-    "sp_with_rollouts": (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], False,
-                         "parallel.sequence_parallel=true"),
+    "kv_budget_below_one_sample": (["rollout.kv_cache_bytes=1000"], False, "rollout.kv_cache_bytes"),
     "param_gather_without_dist_opt": (["parallel.overlap_param_gather=true"], False,
                                       "parallel.overlap_param_gather"),
     "flex_dispatcher": ([*MOE, "model.moe.token_dispatcher_type=flex"], False, "model.moe.token_dispatcher_type"),
@@ -67,12 +67,11 @@ def test_dry_run_refuses_what_cannot_run_naming_the_key(tmp_path, case):
     assert key in str(info.value), str(info.value)
 
 
-def test_sequence_parallel_is_fine_for_sft_only_runs_without_eval(tmp_path):
+def test_sequence_parallel_runs_with_rollouts_and_eval(tmp_path):
+    """Generation switches SP off while it decodes (rollout/generate.py), so SP is no longer refused."""
     sp = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
-    assert "layout: TP=2" in describe_plan(small_config(tmp_path, *sp, sft=True))
-    # Evaluation after the stage generates too.
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true.*eval.enabled"):
-        describe_plan(small_config(tmp_path, *sp, f"domains.math.eval={tmp_path}/eval.jsonl", sft=True))
+    out = describe_plan(small_config(tmp_path, *sp, f"domains.math.eval={tmp_path}/eval.jsonl"))
+    assert "layout: TP=2" in out and "sequence_parallel=True" in out
 
 
 def korthikanti_per_layer(s, b, h, a, t, sp):
@@ -126,14 +125,34 @@ def test_moe_top_k_scales_the_expert_activations(tmp_path):
 
 def test_plan_counts_kv_cache_frozen_models_and_warns_on_overflow(tmp_path):
     cfg = small_config(tmp_path, "stages.rl.loss.kl_coef=0.1", "rollout.max_new_tokens=64",
-                       "data.max_prompt_tokens=64")
+                       "data.max_prompt_tokens=64", "rollout.kv_block_size_tokens=16")
     layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
     stage = resolve_stage(cfg, cfg.stages[0])
     plan = stage_memory(cfg, layout, stage)
-    # 4 prompts x 2 samples over DP=4: 2 sequences of 64 + 64 tokens; K and V, 4 layers, 4 heads x 16, bf16.
-    assert kv_cache_bytes(cfg.model, layout, Shape(128, 2)) == 2 * 4 * 4 * 16 * 2 * 128 * 2
-    assert plan.kv_cache * 2**30 == pytest.approx(2 * 4 * 4 * 16 * 2 * 128 * 2)
+    # K and V, 4 layers, 4 heads x 16, bf16 per token; 4 prompts x 2 samples over DP=4: 2 local samples
+    # of 64 + 64 tokens = 8 blocks of 16 each, plus Megatron's dummy block (the budget is far larger).
+    per_token = 2 * 4 * 4 * 16 * 2
+    assert kv_bytes_per_token(cfg.model, layout) == per_token
+    assert plan.kv_cache * 2**30 == pytest.approx((2 * 8 + 1) * 16 * per_token)
+    assert plan.concurrent_samples == 2 and "2 of 2 samples at once" in describe_plan(cfg)
     assert plan.frozen > 0  # the KL reference
     assert "WARNING" not in describe_plan(cfg)
-    tight = small_config(tmp_path, "cluster.gpu_memory_gib=0.0001")
+    tight = small_config(tmp_path, "cluster.gpu_memory_gib=0.002")
     assert "WARNING: stage rl:" in describe_plan(tight)
+
+
+def test_kv_budget_caps_the_cache_and_the_samples_running_at_once(tmp_path):
+    # One sample: 128 tokens = 8 blocks of 16; a budget of 3.5 samples runs 3 at once and allocates the budget.
+    per_sample = 8 * 16 * 2 * 4 * 4 * 16 * 2
+    cfg = small_config(tmp_path, "rollout.max_new_tokens=64", "data.max_prompt_tokens=64",
+                       "rollout.kv_block_size_tokens=16", f"rollout.kv_cache_bytes={int(3.5 * per_sample)}",
+                       "stages.rl.prompts_per_step=32", "stages.rl.samples_per_prompt=4")
+    layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
+    gen = generation_plan(cfg, layout, resolve_stage(cfg, cfg.stages[0]), free_bytes=80 * 2**30)
+    assert (gen.samples, gen.concurrent) == (32, 3)
+    assert gen.kv_cache == int(3.5 * per_sample)
+    # Without a byte budget: kv_cache_fraction of the free memory, here more than all samples need.
+    cfg = small_config(tmp_path, "rollout.max_new_tokens=64", "data.max_prompt_tokens=64",
+                       "rollout.kv_block_size_tokens=16")
+    gen = generation_plan(cfg, layout, resolve_stage(cfg, cfg.stages[0]), free_bytes=80 * 2**30)
+    assert (gen.samples, gen.concurrent) == (2, 2)

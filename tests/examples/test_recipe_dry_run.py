@@ -1,12 +1,9 @@
 """The Nemotron-Cascade-2 recipe (examples/nemotron_cascade2/) passes ``run --dry-run``: a layout
-the code runs (no CP, no SP with rollouts), the static state per GPU within 80 GiB, a memory plan
-line per stage, and the stage plan in the published order and numbers.
+the code runs (no CP; TP=2 + SP), every stage's memory plan within 80 GiB, and the stage plan in
+the published order and numbers.
 
 The dry run plans for the cluster (8-GPU H100 nodes with Transformer Engine) from this CPU machine;
-MOPD's teachers from other runs are placeholder paths that a dry run does not require. The full
-per-stage peak (generation KV cache and prefill of every local sample at once; logits of
-100K+-token sequences at TP=1) does not fit 80 GiB yet: ``test_recipe_fits_80_gib`` records that
-as an expected failure (see examples/nemotron_cascade2/README.md, "Memory").
+MOPD's teachers from other runs are placeholder paths that a dry run does not require.
 """
 
 from __future__ import annotations
@@ -27,9 +24,9 @@ INCLUDES = {"base.yaml"}  # shared settings, included by the run configs (no sta
 RUN_CONFIGS = sorted(p.name for p in RECIPE.glob("*.yaml") if p.name not in INCLUDES)
 ORDER = ["if_rl", "multi_domain_rl", "mopd", "rlhf", "long_context_rl", "code_rl", "swe_rl"]
 PER_STAGE = {f"{i + 1:02d}_{name}.yaml": name for i, name in enumerate(ORDER)}
-# The layout the code runs: CP=1 (not implemented in training), TP=1 (rollouts refuse SP, which MoE
-# with TP > 1 needs), PP=4 so that DP=16 divides every stage's prompts_per_step.
-LAYOUT = ("layout: TP=1 PP=4 CP=1 EP=8 ETP=1 DP=16 expert-DP=2 sequence_parallel=False "
+# The layout the code runs: CP=1 (not implemented in training), TP=2 + SP (MoE with TP > 1 needs SP;
+# generation switches it off while decoding), PP=4 so that DP=8 divides every stage's prompts_per_step.
+LAYOUT = ("layout: TP=2 PP=4 CP=1 EP=8 ETP=1 DP=8 expert-DP=2 sequence_parallel=True "
           "distributed_optimizer=True")
 # Published per-stage settings: batch prompts x rollouts, max response tokens, lr, kl.
 PUBLISHED = {
@@ -104,10 +101,10 @@ def test_dry_run_plans_layout_memory_and_stages(name, capsys):
     assert all(re.search(r"peak +[\d.]+ GiB = static [\d.]+", line) and "KV cache" in line for line in plans), out
 
 
-@pytest.mark.xfail(strict=True, reason="generation holds every local sample's KV cache at full length and "
-                   "prefills all local prompts at once, and 100K+-token logits at TP=1 do not fit 80 GiB: "
-                   "needs chunked generation and SP-aware generation (TP=2) or CP in training")
 def test_recipe_fits_80_gib(capsys):
+    """Every stage's plan fits: the paged KV cache takes a fraction of what the static state leaves,
+    and TP=2 halves the logits of the longest responses (before the paged generator and TP=2 + SP,
+    generation alone needed 172-688 GiB per GPU)."""
     code, out, err = dry_run("cascade.yaml", capsys)
     assert code == 0, out + err
     assert "WARNING" not in out, out
