@@ -80,3 +80,5 @@ def test_checks_run_on_cpu_with_a_tiny_model():
     assert results["fp8_step"]["status"] == "SKIP"
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
     assert results["bf16_step"]["figures"]["tokens_per_s"] > 0
+    # Decode-time log-probs (paged KV cache) equal a teacher-forced recompute, to bf16 rounding.
+    assert results["generation"]["figures"]["max_logprob_gap"] < 0.1, results["generation"]
