@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.scoring import RolloutScorer
 from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
-from megatron_cascade.rollout import SamplingParams, generate
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
 
 
 def data_parallel() -> tuple:
@@ -23,10 +23,10 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
              seed: int) -> dict[str, float]:
     """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective.
 
-    Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``) and
-    stop at the run's ``rollout.stop_strings``; each is scored as soon as it finishes (a reward
-    worker pool, while the rest decode). Every rank calls ``generate`` for every domain, also with
-    no prompts of its own (expert-parallel lockstep).
+    Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``), stop
+    at the run's ``rollout.stop_strings`` and use a KV cache of the run's ``rollout.kv_cache_*``;
+    each is scored as soon as it finishes (a reward worker pool, while the rest decode). Every rank
+    calls ``generate`` for every domain, also with no prompts of its own (expert-parallel lockstep).
     """
     dp_rank, dp_size, dp_group = data_parallel()
     max_new_tokens = eval_cfg.max_new_tokens if eval_cfg.max_new_tokens is not None else rollout_cfg.max_new_tokens
@@ -41,7 +41,7 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
         # ranks it runs dummy forwards for its EP group's all-to-alls (elsewhere it returns at once).
         with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine)) as scorer:
             rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer,
-                                on_finished=scorer.on_finished)
+                                kv_cache=KVCacheConfig.from_rollout(rollout_cfg), on_finished=scorer.on_finished)
             values, _, _ = scorer.collect(rollouts.samples)
         total = torch.tensor([float(values.sum()), float(len(values))], dtype=torch.float64)
         dist.all_reduce(total, group=dp_group)

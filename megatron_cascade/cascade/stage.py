@@ -27,7 +27,7 @@ from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, Teache
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.model import build_gpt_model
-from megatron_cascade.rollout import SamplingParams, generate
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
 from megatron_cascade.training import LossSpec, TrainBatch, build_policy, forward_logprobs, optimize_on_batch
 from megatron_cascade.training.checkpoint import (
     load_training_checkpoint,
@@ -212,7 +212,8 @@ class StageRunner:
         with RolloutScorer(self.rewards, self.cfg.domains, self.tok, [e.row for e in examples],
                            [e.domain for e in examples]) as scorer:
             rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
-                                tokenizer=self.tok, on_finished=scorer.on_finished)
+                                tokenizer=self.tok, kv_cache=KVCacheConfig.from_rollout(self.stage.rollout),
+                                on_finished=scorer.on_finished)
             gen_s = time.perf_counter() - t0
             scores, errors, reward_s = scorer.collect(rollouts.samples)  # reward_s: the stragglers only
         domains = [examples[s.prompt_index].domain for s in rollouts]
