@@ -15,7 +15,7 @@ Shapes (``--size``):
            one micro-batch of 16.
     large: 8 layers x 512 hidden (8/4 heads, SwiGLU 1536), otherwise the same.
 
-Usage: ``python benchmarks/grpo_step.py [--size small] [--steps 10] [--warmup 2] [--profile ours.prof]``;
+Usage: ``python benchmarks/grpo_step.py [--size small] [--steps 10] [--rounds 3] [--floors] [--profile ours.prof]``;
 with TRL installed elsewhere: ``PYTHONPATH=/path/to/trl_site python benchmarks/grpo_step.py``.
 """
 
@@ -118,12 +118,16 @@ def _ours_worker(config_path: str, warmup: int, steps: int, profile: str | None)
     return out
 
 
-def run_ours(size: str, warmup: int, steps: int, kl_coef: float, profile: str | None) -> dict:
+def run_ours(size: str, warmup: int, steps: int, kl_coef: float, profile: str | None) -> list[dict]:
+    """The metrics of our timed steps (one fresh stage, ``warmup`` steps first)."""
     from megatron_cascade.testing import run_distributed
 
     with tempfile.TemporaryDirectory() as folder:
         path = _write_config(folder, size, kl_coef)
-        metrics = run_distributed(_ours_worker, 1, path, warmup, steps, profile, timeout_s=1800)[0]
+        return run_distributed(_ours_worker, 1, path, warmup, steps, profile, timeout_s=1800)[0]
+
+
+def summarize_ours(metrics: list[dict]) -> dict:
     med = {k: statistics.median(m[k] for m in metrics)
            for k in ("time/step_s", "time/generation_s", "time/reward_s", "time/train_s", "cpu_s")}
     med["other"] = statistics.median(m["time/step_s"] - m["time/generation_s"] - m["time/reward_s"]
@@ -341,18 +345,22 @@ def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
                       "lengths": lengths[warmup:]}))
 
 
-def run_trl(size: str, warmup: int, steps: int, kl_coef: float) -> dict | None:
-    if importlib.util.find_spec("trl") is None:
-        return None
+def run_trl(size: str, warmup: int, steps: int, kl_coef: float) -> dict:
+    """TRL's timed steps in a subprocess: lists of step / CPU / generation seconds and response lengths."""
     cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--size", size, "--warmup", str(warmup),
            "--steps", str(steps), "--kl-coef", str(kl_coef)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"time/step_s": statistics.median(result["step"]), "min_step_s": min(result["step"]),
-            "cpu_s": statistics.median(result["cpu"]), "time/generation_s": statistics.median(result["generation"]),
-            "lengths": result["lengths"]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize_trl(runs: list[dict]) -> dict:
+    step = [t for r in runs for t in r["step"]]
+    return {"time/step_s": statistics.median(step), "min_step_s": min(step),
+            "cpu_s": statistics.median(t for r in runs for t in r["cpu"]),
+            "time/generation_s": statistics.median(t for r in runs for t in r["generation"]),
+            "lengths": [x for r in runs for x in r["lengths"]]}
 
 
 def _fmt(values: list[float]) -> str:
@@ -364,6 +372,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of ours and TRL (fresh runs)")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a reference model's log-probs too")
     parser.add_argument("--profile", help="write a cProfile of our timed steps to this file")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is importable")
@@ -379,24 +388,32 @@ def main() -> None:
     m = SIZES[args.size]
     print(f"GRPO step, {args.size}: {m['num_layers']} layers x {m['hidden_size']}, {PROMPTS} prompts x {SAMPLES} "
           f"samples, <= {MAX_NEW_TOKENS} new tokens, fp32, {torch.get_num_threads()} threads; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.rounds} x {args.steps} steps, each run after {args.warmup} warm-up")
     if args.floors:
         run_floors(args.size, args.steps)
-    ours = run_ours(args.size, args.warmup, args.steps, args.kl_coef, args.profile)
+    with_trl = not args.no_trl and importlib.util.find_spec("trl") is not None
+    ours_runs: list[dict] = []
+    trl_runs: list[dict] = []
+    # Alternating rounds: load from other work on a shared machine hits both sides alike.
+    for _ in range(args.rounds):
+        ours_runs += run_ours(args.size, args.warmup, args.steps, args.kl_coef, args.profile)
+        if with_trl:
+            trl_runs.append(run_trl(args.size, args.warmup, args.steps, args.kl_coef))
+    ours = summarize_ours(ours_runs)
     print(f"ours: {ours['time/step_s']:.3f} s/step, min {ours['min_step_s']:.3f}, CPU {ours['cpu_s']:.3f} s "
           f"(generation {ours['time/generation_s']:.3f}, rewards {ours['time/reward_s']:.3f}, train "
-          f"{ours['time/train_s']:.3f}, other {ours['other']:.3f}; skipped steps {ours['skipped']:.0f}, informative groups {ours['informative']:.0%})")
+          f"{ours['time/train_s']:.3f}, other {ours['other']:.3f}; skipped steps {ours['skipped']:.0f}, "
+          f"informative groups {ours['informative']:.0%})")
     print(f"      mean response tokens per step: {_fmt(ours['lengths'])}")
-    trl = None if args.no_trl else run_trl(args.size, args.warmup, args.steps, args.kl_coef)
-    if trl is None:
+    if not with_trl:
         print("TRL: not importable (or --no-trl); ours only")
         return
+    trl = summarize_trl(trl_runs)
     print(f"TRL:  {trl['time/step_s']:.3f} s/step, min {trl['min_step_s']:.3f}, CPU {trl['cpu_s']:.3f} s "
           f"(generation + scoring {trl['time/generation_s']:.3f})")
     print(f"      mean response tokens per step: {_fmt(trl['lengths'])}")
     print(f"speed-up ours vs TRL: {trl['time/step_s'] / ours['time/step_s']:.2f}x (median), "
           f"{trl['min_step_s'] / ours['min_step_s']:.2f}x (min)")
-
 
 if __name__ == "__main__":
     main()
