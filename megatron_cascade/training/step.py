@@ -108,21 +108,34 @@ def _zero_grads(policy: Policy) -> None:
     policy.optimizer.zero_grad()
 
 
-def _loss_bearing(batch: TrainBatch, model: torch.nn.Module) -> TrainBatch:
-    """What the training forward/backward needs of ``batch``: only its rows with loss tokens, up to
-    the last loss position (``TrainBatch.loss_rows_only``), where that gives the same gradient.
+def _regrouping_is_exact(model: torch.nn.Module) -> bool:
+    """Whether the training loss of ``model`` is a plain sum over rows, so that rows and positions
+    without loss can be dropped and micro-batches regrouped without changing the gradient.
 
-    Filtered GRPO groups (all rewards equal), masked overlong responses and padding rows are then
-    not run at all. Kept whole for MoE models (routers count every non-padding token in their
+    Not for MoE models (routers count every non-padding token of a micro-batch in their
     load-balancing statistics and expert-bias loads, and expert-parallel all-to-alls need the same
-    forwards on every rank) and with dropout (its masks are drawn per element of the batch shape).
+    forwards on every rank), nor with dropout (its masks are drawn per element of the batch shape).
     """
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    if config.num_moe_experts or config.hidden_dropout > 0 or config.attention_dropout > 0:
-        return batch
-    return batch.loss_rows_only()
+    return not (config.num_moe_experts or config.hidden_dropout > 0 or config.attention_dropout > 0)
+
+
+def _training_work(batch: TrainBatch, model: torch.nn.Module, micro_batch_size: int) -> tuple[TrainBatch, int]:
+    """What the training forward/backward runs of ``batch``, and its rows per micro-batch.
+
+    Where that is exact (``_regrouping_is_exact``): only the rows with loss tokens, up to the last
+    loss position (``TrainBatch.loss_rows_only``: filtered GRPO groups, masked overlong responses
+    and padding rows are not run), in as many micro-batches as ``micro_batch_size`` allows, evenly
+    filled (8 rows at ``micro_batch_size`` 16 run as one micro-batch of 8, not 16 with 8 padding
+    rows). Otherwise ``batch`` and ``micro_batch_size`` as they are.
+    """
+    if not _regrouping_is_exact(model):
+        return batch, micro_batch_size
+    work = batch.loss_rows_only()
+    micros = -(-work.size // micro_batch_size)
+    return work, -(-work.size // micros)
 
 
 def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict:
@@ -133,9 +146,8 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
         raise NotImplementedError("parallel.context_parallel_size > 1: splitting sequences over CP ranks "
                                   "is not implemented in the training step")
     normalizer = global_normalizer(spec, batch)  # of the whole batch, before loss-free rows are dropped
-    work = _loss_bearing(batch, policy.chunks[0])
-    micros = list(_schedulable(work, policy.chunks, training.micro_batch_size).micro_batches(
-        training.micro_batch_size))
+    work, micro_rows = _training_work(batch, policy.chunks[0], training.micro_batch_size)
+    micros = list(_schedulable(work, policy.chunks, micro_rows).micro_batches(micro_rows))
     _zero_grads(policy)
     for chunk in policy.chunks:
         chunk.train()

@@ -3,8 +3,9 @@
 A GRPO batch of 8 rows x 24 positions whose first 4 rows have no loss token (a filtered group) and
 whose loss ends at position 14: the model is run on 4 rows x 15 positions, and the gradient and
 metrics equal those of the whole batch (reference: the same step with nothing dropped), in one
-process and at DP=2 where one rank holds only loss-free rows (it runs one dummy row, the other rank
-two micro-batches).
+process, at a micro-batch size larger than the rows left (one micro-batch of 4 rows, not 4 rows and
+4 padding rows), and at DP=2 where one rank holds only loss-free rows (it runs one dummy row, the
+other rank two micro-batches).
 """
 
 import pytest
@@ -34,7 +35,7 @@ def _batch():
                       inference_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6)
 
 
-def _step_worker(parallel, drop, weights_dir, init):
+def _step_worker(parallel, drop, weights_dir, init, micro_batch_size=2):
     from megatron.core import parallel_state as ps
 
     from megatron_cascade.model import initialize_model_parallel, load_model_weights, save_model_weights
@@ -48,13 +49,13 @@ def _step_worker(parallel, drop, weights_dir, init):
     else:
         load_model_weights(policy.module, weights_dir, MODEL)
     if not drop:
-        step._loss_bearing = lambda batch, model: batch  # the reference: every row and position
+        step._training_work = lambda batch, model, rows: (batch, rows)  # the reference: everything, as configured
     seen = []
     policy.module.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = _batch().select(slice(rank * BATCH // dp, (rank + 1) * BATCH // dp))
     spec = LossSpec("grpo", LossConfig(), temperature=0.7, vocab_size=VOCAB)
-    metrics = step.compute_gradients(policy, share, spec, TrainingConfig(micro_batch_size=2))
+    metrics = step.compute_gradients(policy, share, spec, TrainingConfig(micro_batch_size=micro_batch_size))
     grads = torch.cat([p.main_grad.flatten().clone() for p in policy.module.parameters()])
     return seen, metrics, grads
 
@@ -83,10 +84,17 @@ def test_loss_free_rows_and_positions_are_not_run(reference):
     _assert_same_step(got, want)
 
 
+def test_micro_batches_shrink_to_the_rows_left(reference):
+    weights, want = reference
+    got = run_distributed(_step_worker, 1, ParallelConfig(), True, weights, False, 8)[0]
+    assert got[0] == [(4, 15)], "4 rows left at micro_batch_size 8: one micro-batch of 4, no padding rows"
+    _assert_same_step(got, want)
+
+
 def test_data_parallel_rank_without_loss_rows(reference):
     weights, want = reference
     ranks = run_distributed(_step_worker, 2, ParallelConfig(), True, weights, False)
-    assert ranks[0][0] == [(2, 1)], "a rank without loss rows runs one dummy micro-batch"
+    assert ranks[0][0] == [(1, 1)], "a rank without loss rows runs one dummy row"
     assert ranks[1][0] == [(2, 15)] * 2
     for got in ranks:
         _assert_same_step(got, want)
