@@ -41,8 +41,9 @@ PROMPTS, SAMPLES, MAX_NEW_TOKENS, SEED = 2, 8, 32, 1234
 # (rollout.overlong_policy=zero rewards only finished responses; TRL rewards truncated ones too) and
 # would time shorter responses than TRL.
 LR = 0.0
-# Two instructions that random text follows about a quarter / three quarters of the time: groups get
-# different rewards (informative), so every step trains on all 16 rows.
+# Two instructions that random text follows about a quarter / three quarters of the time: most groups
+# get different rewards (85-92% informative in our runs); TRL trains on every group, ours drops the
+# rows of uninformative ones (rollout.filter_uninformative_groups) from the training step.
 INSTRUCTIONS = [{"id": "punctuation:no_comma", "kwargs": {}},
                 {"id": "keywords:letter_frequency", "kwargs": {"letter": "e", "let_frequency": 1,
                                                                "let_relation": "at least"}}]
