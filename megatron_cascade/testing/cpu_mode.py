@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -228,6 +228,24 @@ def enable_cpu_mode() -> None:
     _MODE = _CudaDeviceToCpu()
     _MODE.__enter__()
     _ENABLED = True
+
+
+@contextlib.contextmanager
+def device_rewrite_paused() -> Iterator[None]:
+    """Run the block without CPU mode's device-rewriting ``TorchFunctionMode`` (it adds a Python
+    call to every torch op), for code that creates no tensors on a CUDA device: the decode loop once
+    the model and the KV cache exist (a GRPO step's rollouts on 4 layers x 256: 0.236 -> 0.168 s, the
+    same tokens). A CUDA-device tensor created inside fails loudly (CPU torch has no CUDA).
+
+    A no-op outside CPU mode, or when another mode sits above CPU mode's on the stack.
+    """
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if _MODE is None or _get_current_function_mode() is not _MODE:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 def cpu_mode_enabled() -> bool:
