@@ -7,6 +7,23 @@ import torch
 from megatron_cascade.config.model import ModelConfig, ParallelConfig
 
 
+def model_with_shared_weights(model_cfg: ModelConfig, parallel: ParallelConfig, weights_dir: str, init: bool,
+                              seed: int) -> torch.nn.Module:
+    """A ``GPTModel`` at ``parallel`` holding the same weights in every layout of a test: the
+    reference run (``init``) saves its random init to ``weights_dir``, the others load it (resharded).
+    Initialises Megatron's parallel state first."""
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
+    from megatron_cascade.model import save_model_weights
+
+    initialize_model_parallel(parallel, seed=seed)
+    model = build_gpt_model(model_cfg, parallel)
+    if init:
+        save_model_weights(model, weights_dir, model_cfg)
+    else:
+        load_model_weights(model, weights_dir, model_cfg)
+    return model
+
+
 def save_gradients_as_checkpoint(module: torch.nn.Module, ckpt_dir: str, model_cfg: ModelConfig) -> None:
     """Write this rank's gradients (``main_grad`` under DDP, else ``grad``) as a weights checkpoint.
 

@@ -39,16 +39,9 @@ def _run_layout(model_cfg, parallel, tokens, weights, weights_dir, grads_dir, in
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
-    from megatron_cascade.model import save_model_weights
-    from megatron_cascade.testing.checkpoints import save_gradients_as_checkpoint
+    from megatron_cascade.testing.checkpoints import model_with_shared_weights, save_gradients_as_checkpoint
 
-    initialize_model_parallel(parallel, seed=1234)
-    model = build_gpt_model(model_cfg, parallel)
-    if init:
-        save_model_weights(model, weights_dir, model_cfg)
-    else:
-        load_model_weights(model, weights_dir, model_cfg)
+    model = model_with_shared_weights(model_cfg, parallel, weights_dir, init, seed=1234)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local_tokens = tokens.chunk(dp)[dp_rank]
     local_weights = weights.chunk(dp)[dp_rank]

@@ -98,15 +98,9 @@ def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
     (rank 1's ends early), then rank 1 with no prompts at all while rank 0 generates."""
     from megatron.core import parallel_state as ps
 
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
-    from megatron_cascade.model import save_model_weights
+    from megatron_cascade.testing.checkpoints import model_with_shared_weights
 
-    initialize_model_parallel(parallel, seed=3)
-    model = build_gpt_model(MOE, parallel)
-    if init:
-        save_model_weights(model, weights_dir, MOE)
-    else:
-        load_model_weights(model, weights_dir, MOE)
+    model = model_with_shared_weights(MOE, parallel, weights_dir, init, seed=3)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [rank] if dp > 1 else [0, 1]
     before = _sequence_parallel_state(model)

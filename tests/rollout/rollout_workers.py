@@ -24,16 +24,9 @@ HOT = SamplingParams(temperature=3.0, max_new_tokens=16, n=4, seed=5, ignore_eos
 
 
 def _setup(parallel: ParallelConfig, weights_dir: str, save: bool):
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
-    from megatron_cascade.model import save_model_weights
+    from megatron_cascade.testing.checkpoints import model_with_shared_weights
 
-    initialize_model_parallel(parallel, seed=1234)
-    model = build_gpt_model(MODEL, parallel)
-    if save:
-        save_model_weights(model, weights_dir, MODEL)
-    else:
-        load_model_weights(model, weights_dir, MODEL)
-    return model
+    return model_with_shared_weights(MODEL, parallel, weights_dir, save, seed=1234)
 
 
 def _summary(batch) -> dict:

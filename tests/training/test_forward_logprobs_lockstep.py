@@ -40,17 +40,11 @@ def _batch():
 def _worker(parallel: ParallelConfig, weights_dir: str, init: bool):
     from megatron.core import parallel_state as ps
 
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
-    from megatron_cascade.model import save_model_weights
+    from megatron_cascade.testing.checkpoints import model_with_shared_weights
     from megatron_cascade.training import LossSpec
     from megatron_cascade.training.step import expert_lockstep_needed, forward_logprobs
 
-    initialize_model_parallel(parallel, seed=3)
-    model = build_gpt_model(MOE, parallel)
-    if init:
-        save_model_weights(model, weights_dir, MOE)
-    else:
-        load_model_weights(model, weights_dir, MOE)
+    model = model_with_shared_weights(MOE, parallel, weights_dir, init, seed=3)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = ROWS[dp_rank] if dp > 1 else [0, 1, 2, 3]
     share = _batch().select(torch.tensor(rows))
