@@ -73,7 +73,8 @@ def grpo_loss(
     ``loss = -(1/N) * sum_{b,t} mask * (w * min(rho*A, clip(rho, 1-eps_lo, 1+eps_hi)*A) - kl_coef * kl)``
     with ``rho = exp(logprobs - old_logprobs)``, ``w`` from
     :func:`~megatron_cascade.algorithms.importance.importance_weights` (detached) and
-    ``kl = exp(ref - logprobs) - (ref - logprobs) - 1`` (k3).
+    ``kl`` the k3 estimate of :func:`~megatron_cascade.algorithms.kl.k3_kl` (clamped as verl / NeMo-RL).
+    ``w`` is computed from ``old_logprobs`` (the sampling policy) when given, else from ``logprobs``.
 
     Args:
         logprobs: ``[B, T]`` trainer log-probs of the sampled tokens (nats); differentiable.
@@ -162,7 +163,10 @@ def grpo_loss(
     term = torch.minimum(unclipped, clipped)
 
     inf_lp = None if inference_logprobs is None else inference_logprobs.to(dt)
-    isw = importance_weights(logp, inf_lp, m, bounds=is_bounds, mode=is_mode)
+    # The train/inference mismatch is that of the policy that sampled (pi_old / pi_infer), as in verl
+    # and NeMo-RL: with ppo_epochs > 1, pi_theta / pi_infer would also count the policy's own
+    # updates and ICE-POP would reject tokens because training moved them.
+    isw = importance_weights(old, inf_lp, m, bounds=is_bounds, mode=is_mode)
     numerator = (isw.weights * term).sum()
 
     if ref_logprobs is not None:

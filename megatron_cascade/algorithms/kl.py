@@ -5,7 +5,10 @@ With ``d = ref_logprobs - logprobs`` (nats), for tokens sampled from the policy
 
 * k1: ``-d`` (unbiased, high variance, can be negative);
 * k2: ``d**2 / 2`` (biased, low variance);
-* k3: ``exp(d) - d - 1`` (unbiased, >= 0, low variance; the default in GRPO).
+* k3: ``exp(d) - d - 1`` (unbiased, >= 0, low variance; the default in GRPO), computed as verl and
+  NeMo-RL do: ``d`` clamped to [-20, 20] before the exponential and the estimate to at most 10, so
+  one token far from the reference (e.g. RLHF at KL 0.03) cannot dominate the loss or its gradient
+  (zero gradient where a clamp is active).
 
 All functions are elementwise and differentiable w.r.t. ``logprobs`` (and ``ref_logprobs`` if it
 requires grad; pass it detached for a frozen reference).
@@ -16,6 +19,9 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# The clamps of verl's ``low_var_kl`` and NeMo-RL's ``calculate_kl`` (input 20, output 10).
+K3_LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
 
 
 def k1_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -30,9 +36,10 @@ def k2_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0); elementwise, same shape."""
-    d = ref_logprobs - logprobs
-    return torch.expm1(d) - d
+    """k3 estimator ``min(exp(d) - d - 1, 10)`` with ``d = clamp(ref - logp, -20, 20)`` (>= 0, nats);
+    elementwise, same shape."""
+    d = torch.clamp(ref_logprobs - logprobs, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return torch.clamp(torch.expm1(d) - d, max=K3_CLAMP)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -68,14 +68,20 @@ def ref_grpo(
             else:
                 term = clipped
                 dterm = rho * A if lo_b < rho < hi_b else 0.0
-            w, log_r, rej = _is_weight(x, None if inf_ is None else inf_[b][t], is_bounds, is_mode)
+            w, log_r, rej = _is_weight(o, None if inf_ is None else inf_[b][t], is_bounds, is_mode)
             contrib, g = w * term, w * dterm
             if ref_ is not None:
-                d = ref_[b][t] - x
+                # verl / NeMo-RL k3: log-ratio clamped to [-20, 20], the estimate to <= 10;
+                # no gradient through an active clamp.
+                raw = ref_[b][t] - x
+                d = min(max(raw, -20.0), 20.0)
                 kl = math.exp(d) - d - 1.0
+                live = abs(raw) <= 20.0 and kl <= 10.0
+                kl = min(kl, 10.0)
                 m["kl_sum"] += kl
                 contrib -= kl_coef * kl
-                g -= kl_coef * (1.0 - math.exp(d))
+                if live:
+                    g -= kl_coef * (1.0 - math.exp(d))
             num += contrib
             grad[b][t] = -g / N
             m["tokens"] += 1

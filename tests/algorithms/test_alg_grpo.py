@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -244,3 +245,20 @@ def test_finalize_metrics_means():
     assert plain["clip_frac"] == pytest.approx(means["clip_frac"].item())
     with pytest.raises(KeyError, match="tokens"):
         finalize_metrics({"kl_sum": 1.0})
+
+
+def test_is_weights_come_from_the_sampling_policy_in_later_ppo_epochs():
+    """Second PPO epoch: the policy moved by +1 nat from pi_old, which equals pi_infer. The IS weight
+    is pi_old / pi_infer = 1 (verl, NeMo-RL); before it was pi_theta / pi_infer = e > 2, so ICE-POP
+    rejected every token and the loss was 0."""
+    inference = torch.full((1, 4), -2.0, dtype=torch.float64)
+    old = inference.clone()
+    logprobs = (old + 1.0).requires_grad_(True)
+    mask = torch.ones(1, 4)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    loss, metrics = grpo_loss(logprobs, adv, mask, old_logprobs=old, inference_logprobs=inference,
+                              clip_eps=(0.2, 10.0))
+    assert float(metrics["is_masked_tokens"]) == 0.0 and float(metrics["is_weight_sum"]) == 4.0
+    assert float(loss) == pytest.approx(-math.e)
+    ref_loss, _, ref_metrics = ref_grpo(logprobs, adv, mask, old=old, inference=inference, clip_eps=(0.2, 10.0))
+    assert float(loss) == pytest.approx(ref_loss) and ref_metrics["is_masked_tokens"] == 0.0

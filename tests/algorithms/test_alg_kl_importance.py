@@ -104,3 +104,15 @@ def test_mopd_reduces_reverse_kl_to_teacher():
         loss.backward()
         opt.step()
     assert rkl() < 0.1 * start
+
+
+def test_k3_is_clamped_as_verl_and_nemo_rl():
+    """A token the reference finds far likelier (d = +30) gave exp(30) ~ 1e13 before; a far less likely
+    one (d = -30) 29. Both now 10, with no gradient through the clamp; small d unchanged."""
+    lp = torch.tensor([-30.0, 0.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([0.0, -30.0, -1.5], dtype=torch.float64)
+    kl = k3_kl(lp, ref)
+    d = -0.5
+    assert kl.tolist() == pytest.approx([10.0, 10.0, math.exp(d) - d - 1], abs=1e-15)
+    kl.sum().backward()
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, 1 - math.exp(d)], abs=1e-15)
