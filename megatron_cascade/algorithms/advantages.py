@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 
 BASELINES = ("mean", "leave_one_out")
+# sample: Bessel-corrected std (n - 1), as verl, NeMo-RL and TRL normalise; population: divide by n.
+ADVANTAGE_STDS = ("sample", "population")
 OVERLONG_POLICIES = ("zero", "mask")
 
 
@@ -71,13 +73,14 @@ def group_advantages(
     eps: float = 1e-6,
     baseline: str = "mean",
     valid: Optional[torch.Tensor] = None,
+    std: str = "sample",
 ) -> torch.Tensor:
     """GRPO group-relative advantages, one scalar per response.
 
     ``A[p, i] = (r[p, i] - b[p, i]) / (std_p + eps)`` where ``b`` is the group mean
     (``baseline="mean"``) or the mean of the other responses of the group
-    (``baseline="leave_one_out"``), and ``std_p`` the population std (``unbiased=False``) of the
-    group; without ``std_normalize`` the division is dropped.
+    (``baseline="leave_one_out"``), and ``std_p`` the group's std: the sample std (``n - 1``,
+    verl / NeMo-RL / TRL) or the population std (``n``); without ``std_normalize`` no division.
 
     Groups whose (valid) rewards are all equal get advantage exactly 0 (they carry no signal;
     see :func:`informative_groups` to drop them). Invalid responses (``valid`` False) get 0 and
@@ -89,6 +92,7 @@ def group_advantages(
         eps: added to the std (reward units).
         baseline: ``"mean"`` or ``"leave_one_out"``.
         valid: optional ``[P, G]`` bool mask of responses that take part (default: all).
+        std: ``"sample"`` (default) or ``"population"``.
 
     Returns:
         ``[P, G]`` advantages (dtype of ``rewards`` promoted to >= float32, no gradient).
@@ -96,6 +100,8 @@ def group_advantages(
     fn = "group_advantages"
     if baseline not in BASELINES:
         raise ValueError(f"{fn}: `baseline` must be one of {BASELINES}, got {baseline!r}")
+    if std not in ADVANTAGE_STDS:
+        raise ValueError(f"{fn}: `std` must be one of {ADVANTAGE_STDS}, got {std!r}")
     if eps < 0:
         raise ValueError(f"{fn}: `eps` must be >= 0, got {eps}")
     r, v = _check_rewards(fn, rewards, valid)
@@ -111,8 +117,8 @@ def group_advantages(
         adv = r - (total - r) / (n - 1).clamp(min=1)
     if std_normalize:
         dev = torch.where(v, r - mean, zeros)
-        std = torch.sqrt((dev * dev).sum(dim=1, keepdim=True) / n.clamp(min=1))
-        adv = adv / (std + eps)
+        dof = (n - 1 if std == "sample" else n).clamp(min=1)  # groups of one valid response get 0 anyway
+        adv = adv / (torch.sqrt((dev * dev).sum(dim=1, keepdim=True) / dof) + eps)
     keep = _informative(r, v)[:, None] & v
     return torch.where(keep, adv, zeros)
 

@@ -233,7 +233,7 @@ class StageRunner:
     def _grpo_batch(self, rollouts, rewards: torch.Tensor, keep: torch.Tensor, sums: dict) -> TrainBatch:
         r = self.stage.rollout
         advantages = group_advantages(rewards, std_normalize=r.std_normalize_advantages, baseline=r.advantage_baseline,
-                                      valid=keep)
+                                      std=r.advantage_std, valid=keep)
         informative = informative_groups(rewards, valid=keep)
         sums["groups"] = float(rewards.shape[0])
         sums["groups_informative"] = float(informative.sum())

@@ -212,6 +212,7 @@ _CHOICES = {
     ("loss", "mopd_normalization"): ("sequence", "token"),
     ("rollout", "overlong_policy"): ("zero", "mask"),
     ("rollout", "advantage_baseline"): ("mean", "leave_one_out"),
+    ("rollout", "advantage_std"): ("sample", "population"),
 }
 
 

@@ -29,6 +29,7 @@ class RolloutConfig:
     filter_uninformative_groups: bool = True  # drop groups whose rewards are all equal
     std_normalize_advantages: bool = True
     advantage_baseline: str = "mean"  # mean | leave_one_out
+    advantage_std: str = "sample"  # sample (n - 1: verl, NeMo-RL, TRL) | population (n)
     # Paged KV cache of generation, per rank: a byte budget, or (null) kv_cache_fraction of the free
     # device memory (on CPU: available RAM) when generation starts. Requests that do not fit wait.
     kv_cache_bytes: Optional[int] = None

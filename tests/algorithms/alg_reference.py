@@ -136,7 +136,7 @@ def ref_mopd(
     return -num / N, grad, m
 
 
-def ref_group_advantages(rewards, *, std_normalize=True, eps=1e-6, baseline="mean", valid=None):
+def ref_group_advantages(rewards, *, std_normalize=True, eps=1e-6, baseline="mean", valid=None, std_kind="sample"):
     rw = rewards.double().tolist()
     vd = None if valid is None else valid.tolist()
     out = []
@@ -146,7 +146,8 @@ def ref_group_advantages(rewards, *, std_normalize=True, eps=1e-6, baseline="mea
         res = [0.0] * len(row)
         if len(vals) >= 2 and max(vals) != min(vals):
             mean = sum(vals) / len(vals)
-            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+            dof = len(vals) - 1 if std_kind == "sample" else len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / dof)
             for g in idx:
                 if baseline == "mean":
                     base = mean

@@ -11,12 +11,12 @@ from megatron_cascade.algorithms import apply_overlong_policy, group_advantages,
 
 def test_known_values_std_normalized():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0], [0.0, 0.0, 0.0, 2.0]])
-    a = group_advantages(r, eps=0.0)
+    a = group_advantages(r, eps=0.0, std="population")
     # row 0: mean .5, population std .5; row 2: mean .5, std sqrt(.75)
     s = 0.75 ** 0.5
     expected = torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0] * 4, [-0.5 / s] * 3 + [1.5 / s]])
     assert torch.allclose(a, expected, atol=1e-6)
-    a_eps = group_advantages(r)  # default eps 1e-6
+    a_eps = group_advantages(r, std="population")  # default eps 1e-6
     assert a_eps[0, 0].item() == pytest.approx(0.5 / (0.5 + 1e-6), rel=1e-6)
     assert informative_groups(r).tolist() == [True, False, True]
 
@@ -36,13 +36,24 @@ def test_without_std_and_leave_one_out():
     # r_i - (12 - r_i)/3
     assert torch.allclose(loo, torch.tensor([[-8 / 3, -4 / 3, 0.0, 4.0]]))
     loo_std = group_advantages(r, baseline="leave_one_out", eps=0.0)
-    std = torch.tensor([1.0, 2.0, 3.0, 6.0]).std(unbiased=False)
+    std = torch.tensor([1.0, 2.0, 3.0, 6.0]).std(unbiased=True)
     assert torch.allclose(loo_std, loo / std)
+
+
+def test_default_std_is_the_sample_std_as_verl_nemo_rl_and_trl():
+    """verl, NeMo-RL and TRL divide by the Bessel-corrected group std (torch's default); before, the
+    population std made every advantage sqrt(G / (G - 1)) times too large (1.155x at G = 4)."""
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    expected = (r - r.mean()) / (r.std() + 1e-6)  # torch.std: unbiased
+    assert torch.allclose(group_advantages(r), expected, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="`std` must be one of"):
+        group_advantages(r, std="unbiased")
 
 
 @pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
 @pytest.mark.parametrize("std_normalize", [True, False])
-def test_matches_reference_random(baseline, std_normalize):
+@pytest.mark.parametrize("std", ["sample", "population"])
+def test_matches_reference_random(baseline, std_normalize, std):
     g = torch.Generator().manual_seed(0)
     r = torch.randint(0, 3, (16, 6), generator=g).double() + 0.25 * torch.randn(16, 6, generator=g, dtype=torch.float64)
     r[3] = 1.0  # constant group
@@ -51,9 +62,9 @@ def test_matches_reference_random(baseline, std_normalize):
     valid[7] = False
     valid[8] = torch.tensor([True, False, False, False, False, False])  # single valid response
     for v in (None, valid):
-        a = group_advantages(r, baseline=baseline, std_normalize=std_normalize, valid=v)
-        ref = torch.tensor(ref_group_advantages(r, baseline=baseline, std_normalize=std_normalize, valid=v),
-                           dtype=torch.float64)
+        a = group_advantages(r, baseline=baseline, std_normalize=std_normalize, valid=v, std=std)
+        ref = torch.tensor(ref_group_advantages(r, baseline=baseline, std_normalize=std_normalize, valid=v,
+                                                std_kind=std), dtype=torch.float64)
         assert a.dtype == torch.float64
         assert torch.allclose(a, ref, atol=1e-12, rtol=0)
     assert not informative_groups(r, valid)[7] and not informative_groups(r, valid)[8]
@@ -68,7 +79,7 @@ def test_valid_mask_excludes_responses_from_statistics():
 
 
 def test_integer_rewards_and_errors():
-    a = group_advantages(torch.tensor([[1, 0]]), eps=0.0)
+    a = group_advantages(torch.tensor([[1, 0]]), eps=0.0, std="population")
     assert a.dtype == torch.float32 and a.tolist() == [[1.0, -1.0]]
     with pytest.raises(ValueError, match="2-D"):
         group_advantages(torch.zeros(4))
@@ -92,7 +103,7 @@ def test_overlong_policies():
     assert torch.equal(m, r) and torch.equal(keep, fin)
     assert m is not r  # no aliasing of the caller's tensor
     # masked responses leave the group statistics and get advantage 0
-    a = group_advantages(m, valid=keep, eps=0.0)
+    a = group_advantages(m, valid=keep, eps=0.0, std="population")
     assert a.tolist() == [[1.0, 0.0, 0.0, -1.0]]
     with pytest.raises(ValueError, match="policy"):
         apply_overlong_policy(r, fin, policy="drop")
