@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.rewards import build_reward, score_batch
-from megatron_cascade.rewards.scoring import ScoringPool, finalize_scores
+from megatron_cascade.rewards.scoring import ScoringPool, finalize_flags
 from megatron_cascade.rollout import RolloutSample
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,15 @@ class RolloutScorer:
         """Scores [N] (float64, in [0, 1]) of ``samples`` (the ``generate`` result), the number of
         reward errors, and the seconds waited here (the stragglers); collective over the
         model-parallel group. Samples ``on_finished`` never saw are scored now."""
+        scores, errored, seconds = self.collect_flags(samples)
+        return scores, int(errored.sum()), seconds
+
+    def collect_flags(self, samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """As :meth:`collect`, with per sample whether its reward errored or timed out ([N] bool,
+        the same on every model-parallel rank) instead of the count."""
         start = time.perf_counter()
-        out = torch.zeros(len(samples) + 1, dtype=torch.float64)
+        n = len(samples)
+        out = torch.zeros(2 * n, dtype=torch.float64)  # scores, then error flags: one broadcast
         if self.pool is not None:
             for i, sample in enumerate(samples):
                 self.on_finished(i, sample)
@@ -113,12 +120,49 @@ class RolloutScorer:
             for domain in sorted(set(row_domains)):
                 index = [i for i, d in enumerate(row_domains) if d == domain]
                 name = getattr(self.rewards[domain], "name", repr(self.rewards[domain]))
-                scores, errors = finalize_scores([raw[self.tickets[i]] for i in index], name)
+                scores, errored = finalize_flags([raw[self.tickets[i]] for i in index], name)
                 out[index] = torch.tensor(scores, dtype=torch.float64)
-                out[-1] += errors
-                if errors:
-                    log.warning("reward %s: %d of %d responses errored or timed out (scored 0)",
-                                self.domains[domain].reward.name, errors, len(index))
+                out[[n + i for i in index]] = torch.tensor(errored, dtype=torch.float64)
+                if any(errored):
+                    log.warning("reward %s: %d of %d responses errored or timed out (left out of training)",
+                                self.domains[domain].reward.name, sum(errored), len(index))
         if dist.get_world_size(self.group) > 1:
             dist.broadcast(out, src=self.src, group=self.group)
-        return out[:-1], int(out[-1]), time.perf_counter() - start
+        return out[:n], out[n:] > 0, time.perf_counter() - start
+
+
+class RewardErrorRateExceeded(RuntimeError):
+    """More of a step's samples had a failed reward than ``rewards.max_error_frac`` allows."""
+
+
+def check_error_fraction(errored: torch.Tensor, sample_domains: Sequence[str], domains: dict[str, DomainConfig],
+                         stage_domains: Sequence[str], max_error_frac: float, group=None) -> tuple[float, float]:
+    """All-reduce this rank's reward errors over ``group`` (the data-parallel ranks) and raise
+    :class:`RewardErrorRateExceeded` on every rank when the global fraction exceeds ``max_error_frac``.
+
+    Args:
+        errored: [N] bool, per local sample whether its reward failed.
+        sample_domains: [N] the domain of each sample; ``stage_domains``: every domain of the stage,
+            in the same order on every rank (the all-reduced vector is indexed by it).
+    Returns:
+        (global errors, global samples).
+    """
+    names = sorted(stage_domains)
+    counts = torch.zeros(2 * len(names), dtype=torch.float64)  # errors per domain, samples per domain
+    for i, domain in enumerate(sample_domains):
+        k = names.index(domain)
+        counts[k] += float(errored[i])
+        counts[len(names) + k] += 1.0
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    errors, total = counts[:len(names)], counts[len(names):]
+    n_errors, n_samples = float(errors.sum()), float(total.sum())
+    if n_samples and n_errors / n_samples > max_error_frac:
+        failed = ", ".join(f"{d} (reward {domains[d].reward.name}): {int(errors[k])}/{int(total[k])}"
+                           for k, d in enumerate(names) if errors[k] > 0)
+        raise RewardErrorRateExceeded(
+            f"{int(n_errors)} of {int(n_samples)} samples of this step had a reward that errored or timed out "
+            f"({n_errors / n_samples:.3f} > rewards.max_error_frac={max_error_frac}); failed: {failed}. "
+            "Stopped before the optimizer step: check the reward (server, sandbox, timeout_s) and resume, "
+            "or raise rewards.max_error_frac.")
+    return n_errors, n_samples

@@ -22,7 +22,7 @@ from megatron_cascade.cascade.evaluation import data_parallel, evaluate
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
-from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards
+from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards, check_error_fraction
 from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, TeacherPool, teacher_logprobs
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
@@ -215,13 +215,19 @@ class StageRunner:
                                 tokenizer=self.tok, kv_cache=KVCacheConfig.from_rollout(self.stage.rollout),
                                 on_finished=scorer.on_finished)
             gen_s = time.perf_counter() - t0
-            scores, errors, reward_s = scorer.collect(rollouts.samples)  # reward_s: the stragglers only
+            scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers only
         domains = [examples[s.prompt_index].domain for s in rollouts]
+        # Before anything is trained on this step: every rank stops if the rewards largely failed.
+        check_error_fraction(errored, domains, self.cfg.domains, list(self.stage.domains),
+                             self.cfg.rewards.max_error_frac, self.dp_group)
         finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
         rewards = scores.view(len(examples), G)
         rewards, keep = apply_overlong_policy(rewards, finished.view(len(examples), G),
                                               policy=self.stage.rollout.overlong_policy)
-        sums = self._rollout_sums(rollouts, scores, domains, errors)
+        # A failed reward's 0 is not a verdict on the response: the sample leaves the loss, the
+        # normaliser and its group's advantage statistics (GRPO) / the distillation loss (MOPD).
+        keep = keep & ~errored.view(len(examples), G)
+        sums = self._rollout_sums(rollouts, scores, domains, errored)
         if self.stage.type == "grpo":
             batch = self._grpo_batch(rollouts, rewards, keep, sums)
         else:
@@ -249,15 +255,18 @@ class StageRunner:
     def _teacher_logprobs(self, batch: TrainBatch, domains: list[str]) -> torch.Tensor:
         return teacher_logprobs(self.teachers, batch, domains, self.spec, self.stage.training.micro_batch_size)
 
-    def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str], errors: int) -> dict[str, float]:
+    def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str],
+                      errored: torch.Tensor) -> dict[str, float]:
+        """Step sums of this rank; reward means count only samples whose reward did not fail."""
         lengths = [len(s.response_ids) for s in rollouts]
-        sums = {"reward_sum": float(scores.sum()), "samples": float(len(rollouts)), "reward_errors": float(errors),
-                "response_length_sum": float(sum(lengths)),
+        scored = ~errored
+        sums = {"reward_sum": float(scores[scored].sum()), "samples": float(len(rollouts)),
+                "reward_errors": float(errored.sum()), "response_length_sum": float(sum(lengths)),
                 "finish_stop": float(sum(s.finish_reason == "stop" for s in rollouts))}
         for domain in self.stage.domains:
-            picked = [float(scores[i]) for i, d in enumerate(domains) if d == domain]
+            picked = [float(scores[i]) for i, d in enumerate(domains) if d == domain and scored[i]]
             sums[f"reward_sum/{domain}"] = sum(picked)
-            sums[f"samples/{domain}"] = float(len(picked))
+            sums[f"scored/{domain}"] = float(len(picked))
         return sums
 
     def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
@@ -271,13 +280,15 @@ class StageRunner:
         out = {"tokens_processed": total.pop("tokens_processed")}
         samples = total.get("samples")
         if samples:
-            out["reward/mean"] = total["reward_sum"] / samples
+            scored = samples - total["reward_errors"]
+            out["reward/mean"] = total["reward_sum"] / scored if scored else 0.0
             out["reward/errors"] = total["reward_errors"]
+            out["reward/error_frac"] = total["reward_errors"] / samples
             out["response/length_mean"] = total["response_length_sum"] / samples
             out["finish/stop_frac"] = total["finish_stop"] / samples
             out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]
             for domain in self.stage.domains:
-                n = total.get(f"samples/{domain}", 0.0)
+                n = total.get(f"scored/{domain}", 0.0)
                 if n:
                     out[f"reward/{domain}"] = total[f"reward_sum/{domain}"] / n
         if "groups" in total:

@@ -181,6 +181,9 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
     if cfg.checkpoint.time_limit_margin_s < 0:
         raise ConfigError(f"{source}: checkpoint.time_limit_margin_s={cfg.checkpoint.time_limit_margin_s} "
                           "must be >= 0")
+    if not 0.0 <= cfg.rewards.max_error_frac <= 1.0:
+        raise ConfigError(f"{source}: rewards.max_error_frac={cfg.rewards.max_error_frac} must be in [0, 1] "
+                          "(1 never stops the run)")
     seen: list[str] = []
     for index, stage in enumerate(cfg.stages):
         where = f"{source}: stages[{index}] ({stage.name})"

@@ -47,6 +47,17 @@ class RewardSpec:
 
 
 @dataclass
+class RewardsConfig:
+    """Run-level handling of reward failures (per-domain rewards live under ``domains.*.reward``)."""
+
+    # A sample whose reward raised, returned a non-number or timed out is invalid (left out of the loss,
+    # the normaliser and its group's advantage statistics). A step in which more than this fraction of
+    # all samples (every data-parallel rank) is invalid stops the run before the optimizer step:
+    # a reward server outage must not train the policy on zeros.
+    max_error_frac: float = 0.5
+
+
+@dataclass
 class DomainConfig:
     """One data domain: JSONL files and the reward that scores it."""
 
@@ -149,6 +160,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     domains: Dict[str, DomainConfig] = field(default_factory=dict)
     stages: List[StageConfig] = field(default_factory=list)
 

@@ -1,7 +1,8 @@
 """Batch scoring: run any reward over many responses without ever stopping the run.
 
 A reward that raises, returns a non-finite value or exceeds ``timeout_s`` scores 0 for
-that response; it is counted in the returned error count and logged (``logging``).
+that response; it is counted in the returned error count (``finalize_flags``: flagged per item,
+so that training can leave the sample out rather than learn from the 0) and logged (``logging``).
 
 ``score_batch`` scores a whole list at once; ``ScoringPool`` takes responses one by one while
 the caller does other work (generation hands it each sample as it finishes) and waits only for
@@ -192,21 +193,28 @@ def finalize_scores(raw: list[Any], name: str) -> tuple[list[float], int]:
     return _finalize(raw, name)
 
 
-def _finalize(raw: list[Any], name: str) -> tuple[list[float], int]:
+def finalize_flags(raw: list[Any], name: str) -> tuple[list[float], list[bool]]:
+    """As :func:`finalize_scores`, but per item whether it errored (raised, timed out, returned a
+    non-number or a non-finite value) instead of the count."""
     scores: list[float] = []
-    errors = 0
+    errored: list[bool] = []
     for i, value in enumerate(raw):
         score, err = _to_score(value)
-        if err is not None:
-            errors += 1
-            if errors <= _MAX_LOGGED_ERRORS:
-                logger.warning("reward %s failed on item %d: %s: %s", name, i,
-                               type(err).__name__, str(err)[:500])
+        if err is not None and sum(errored) < _MAX_LOGGED_ERRORS:
+            logger.warning("reward %s failed on item %d: %s: %s", name, i,
+                           type(err).__name__, str(err)[:500])
+        errored.append(err is not None)
         scores.append(score)
+    errors = sum(errored)
     if errors > _MAX_LOGGED_ERRORS:
         logger.warning("reward %s: %d/%d items failed (first %d logged)", name, errors,
                        len(raw), _MAX_LOGGED_ERRORS)
-    return scores, errors
+    return scores, errored
+
+
+def _finalize(raw: list[Any], name: str) -> tuple[list[float], int]:
+    scores, errored = finalize_flags(raw, name)
+    return scores, sum(errored)
 
 
 def _to_score(value: Any) -> tuple[float, BaseException | None]:
