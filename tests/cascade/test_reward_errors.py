@@ -5,6 +5,7 @@
   ``group_advantages(valid=...)`` computed without them.
 * A reward that fails on every call stops the step before the optimizer step, with an error naming
   ``rewards.max_error_frac`` and the failing domain/reward; the weights are untouched.
+* With two data-parallel ranks the fraction is global: both ranks stop when only one saw errors.
 * ``rewards.max_error_frac`` outside [0, 1] is a config error naming the key.
 """
 
@@ -129,6 +130,32 @@ def test_reward_outage_stops_the_run_before_the_optimizer_step(tmp_path):
     assert "rewards.max_error_frac=0.5" in message and "16 of 16 samples" in message
     assert "math (reward math): 16/16" in message
     assert unchanged, "nothing may be trained on a step stopped for reward errors"
+
+
+def _fails_on_rank_0(response: str, sample: dict) -> float:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ConnectionError("reward server unreachable from rank 0")
+    return 1.0
+
+
+def _one_rank_outage_worker(tmp: str):
+    from megatron_cascade.cascade.scoring import RewardErrorRateExceeded
+
+    runner = _runner(tmp, 0.4, _fails_on_rank_0)
+    try:
+        runner._step(0)
+    except RewardErrorRateExceeded as e:
+        return str(e)
+    return None
+
+
+def test_error_fraction_is_global_over_data_parallel_ranks(tmp_path):
+    """Rank 0's rewards all fail, rank 1's none: 8 of 16 globally > 0.4, so both ranks stop
+    (rank 1 alone saw no error; without the all-reduce it would go on to a collective and hang)."""
+    messages = run_distributed(_one_rank_outage_worker, 2, str(tmp_path), timeout_s=240)
+    assert all(m is not None and "8 of 16 samples" in m and "rewards.max_error_frac=0.4" in m for m in messages), messages
 
 
 def test_max_error_frac_out_of_range_is_a_config_error(tmp_path):
