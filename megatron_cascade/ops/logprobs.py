@@ -147,6 +147,7 @@ def vocab_parallel_entropy(
     *,
     group: Optional[dist.ProcessGroup] = None,
     chunk_size: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Entropy (nats) of softmax(logits) per token, from vocab-sharded logits; a metric (no gradient).
 
@@ -154,20 +155,24 @@ def vocab_parallel_entropy(
         logits: [..., V_local] this rank's vocabulary shard; not modified.
         group: the tensor-parallel group; None = not sharded.
         chunk_size: tokens per chunk.
+        vocab_size: number of real tokens; padding columns are left out of the distribution (as in
+            :func:`vocab_parallel_logprobs`). None = all columns are real.
 
     Returns:
-        [...] float32 entropies.
+        [...] float32 entropies (float64 for float64 logits).
     """
     flat = logits.reshape(-1, logits.shape[-1])
     chunk = chunk_size or _default_chunk(logits.shape[-1])
     n, acc = flat.shape[0], _accumulation_dtype(logits)
+    start, _ = _vocab_range(flat.shape[-1], group)
+    valid = _valid_columns(flat.shape[-1], start, vocab_size)
     lse = torch.empty(n, dtype=acc, device=logits.device)
     for lo in range(0, n, chunk):
-        lse[lo:lo + chunk] = torch.logsumexp(flat[lo:lo + chunk].to(acc), dim=-1)
+        lse[lo:lo + chunk] = _chunk_logsumexp(flat[lo:lo + chunk], valid, acc)
     lse = _global_logsumexp(lse, group)
-    expected_logit = torch.empty(n, dtype=acc, device=logits.device)
+    expected_logit = torch.zeros(n, dtype=acc, device=logits.device)  # E_p[logit], this shard's share
     for lo in range(0, n, chunk):
-        part = flat[lo:lo + chunk].to(acc)
+        part = flat[lo:lo + chunk, :valid].to(acc)
         expected_logit[lo:lo + chunk] = ((part - lse[lo:lo + chunk, None]).exp() * part).sum(-1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(expected_logit, group=group)

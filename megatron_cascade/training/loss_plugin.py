@@ -25,10 +25,12 @@ from megatron_cascade.algorithms import grpo_loss, mopd_loss, sft_loss
 from megatron_cascade.config.training import LossConfig
 from megatron_cascade.model.builder import sequence_length_multiple
 from megatron_cascade.model.moe_aux_loss import aux_loss_weights
-from megatron_cascade.ops import vocab_parallel_logprobs
+from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_cascade.training.batch import TrainBatch
 
 LOSS_KINDS = ("sft", "grpo", "mopd")
+# Metric sums the plug-in adds to every loss's own (all-reduced and finalised with them).
+POLICY_METRIC_KEYS = ("entropy_sum",)
 _IS_MODES = {"icepop": "mask", "truncate": "truncate"}
 
 
@@ -70,11 +72,21 @@ def local_normalizer_count(spec: LossSpec, batch: TrainBatch) -> torch.Tensor:
     return count.to(torch.float64)
 
 
+def tempered(logits: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """``logits / temperature`` (the logits themselves at temperature 1)."""
+    return logits / spec.temperature if spec.temperature != 1.0 else logits
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, spec: LossSpec, tp_group) -> torch.Tensor:
     """[B, S] log-probs of ``targets`` under softmax(logits / temperature); logits [B, S, V/TP]."""
-    if spec.temperature != 1.0:
-        logits = logits / spec.temperature
-    return vocab_parallel_logprobs(logits, targets, group=tp_group, vocab_size=spec.vocab_size)
+    return vocab_parallel_logprobs(tempered(logits, spec), targets, group=tp_group, vocab_size=spec.vocab_size)
+
+
+def entropy_sum(logits: torch.Tensor, mask: torch.Tensor, spec: LossSpec, tp_group) -> torch.Tensor:
+    """Sum over loss tokens of the entropy (nats) of the sampling distribution softmax(logits / T)
+    (float64 scalar, no gradient): the policy-entropy metric (``entropy_mean`` after finalising)."""
+    entropy = vocab_parallel_entropy(tempered(logits.detach(), spec), group=tp_group, vocab_size=spec.vocab_size)
+    return torch.where(mask.bool(), entropy, torch.zeros_like(entropy)).sum().to(torch.float64)
 
 
 def compute_loss(spec: LossSpec, logprobs: torch.Tensor, micro: TrainBatch, normalizer: torch.Tensor):
@@ -180,6 +192,7 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
             # Clones: Megatron may scale the returned loss in place.
             reported = {k: v.detach().clone() for k, v in metrics.items()}
             reported["loss"] = loss.detach().clone()
+            reported["entropy_sum"] = entropy_sum(output, micro.loss_mask, spec, tp_group)
             return loss, num_tokens, reported
 
         return logits, loss_func

@@ -10,6 +10,7 @@ from megatron_cascade.algorithms import GRPO_METRIC_KEYS, MOPD_METRIC_KEYS, SFT_
 from megatron_cascade.config.training import TrainingConfig
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.loss_plugin import (
+    POLICY_METRIC_KEYS,
     LossSpec,
     local_normalizer_count,
     make_forward_step,
@@ -152,7 +153,7 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     for chunk in policy.chunks:
         chunk.train()
     per_micro = _run_schedule(policy.chunks, make_forward_step(spec, normalizer, _tp_group()), micros, False)
-    sums = _reduce_metric_sums(("loss", *_METRIC_KEYS[spec.kind]), per_micro)
+    sums = _reduce_metric_sums(("loss", *_METRIC_KEYS[spec.kind], *POLICY_METRIC_KEYS), per_micro)
     metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
     metrics["normalizer"] = float(normalizer)
     return metrics

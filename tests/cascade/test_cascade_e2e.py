@@ -73,6 +73,7 @@ def test_tensorboard_has_the_named_scalars(uninterrupted):
         "if_rl/grad_norm", "if_rl/lr", "if_rl/response/length_mean", "if_rl/finish/stop_frac",
         "if_rl/finish/length_frac", "if_rl/is_abs_log_ratio_mean", "if_rl/is_masked_frac",
         "if_rl/time/generation_s", "if_rl/time/reward_s", "if_rl/time/train_s", "if_rl/throughput/tokens_per_s",
+        "if_rl/entropy_mean", "if_rl/clip_frac", "sft/entropy_mean", "mopd/entropy_mean",
         "mopd/reverse_kl_mean", "mopd/reward/math", "eval/math", "eval/instruction_following",
     }
     assert expected <= tags, f"missing: {sorted(expected - tags)}"

@@ -82,6 +82,15 @@ def test_tp2_matches_full_vocab_log_softmax():
     torch.testing.assert_close(full_grad, ref_grad, atol=1e-10, rtol=0)
 
 
+def test_entropy_leaves_vocab_padding_out():
+    """Padding columns (untrained embedding rows) are not tokens the sampler can draw: before, their
+    logits entered the entropy's softmax."""
+    logits, _, _ = _data(seed=4, vocab=64)
+    real = torch.log_softmax(logits[..., :50], -1)
+    ref = -(real.exp() * real).sum(-1)
+    torch.testing.assert_close(vocab_parallel_entropy(logits, chunk_size=5, vocab_size=50), ref, atol=1e-10, rtol=0)
+
+
 def test_vocab_padding_is_left_out_of_the_softmax():
     logits, targets, grad_out = _data(seed=5, vocab=64)
     targets = targets % 50
@@ -100,7 +109,9 @@ def _tp2_padded_worker(logits, targets):
     rank = torch.distributed.get_rank()
     shard = logits.chunk(2, dim=-1)[rank]
     # vocab 20 of 64 columns: rank 1's shard is padding only.
-    return vocab_parallel_logprobs(shard, targets, group=torch.distributed.group.WORLD, vocab_size=20)
+    group = torch.distributed.group.WORLD
+    return (vocab_parallel_logprobs(shard, targets, group=group, vocab_size=20),
+            vocab_parallel_entropy(shard, group=group, vocab_size=20))
 
 
 @pytest.mark.distributed
@@ -108,5 +119,8 @@ def test_tp2_with_a_shard_of_padding_only():
     logits, targets, _ = _data(seed=6, vocab=64)
     targets = targets % 20
     ref = torch.log_softmax(logits[..., :20], -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    for lp in run_distributed(_tp2_padded_worker, 2, logits, targets, cpu_mode=False):
+    real = torch.log_softmax(logits[..., :20], -1)
+    ref_entropy = -(real.exp() * real).sum(-1)
+    for lp, entropy in run_distributed(_tp2_padded_worker, 2, logits, targets, cpu_mode=False):
         torch.testing.assert_close(lp, ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-10, rtol=0)

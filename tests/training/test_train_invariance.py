@@ -151,6 +151,8 @@ def test_moe_gradient_and_expert_bias_are_invariant_to_the_split(reference, name
 def _assert_same(result, reference):
     (metrics, grads), (ref_metrics, ref_grads) = result, reference
     assert abs(metrics["loss"] - ref_metrics["loss"]) < 1e-6
+    # The policy-entropy metric (sum over loss tokens, all-reduced like the loss) is split-invariant too.
+    assert metrics["entropy_mean"] > 0 and abs(metrics["entropy_mean"] - ref_metrics["entropy_mean"]) < 1e-6
     assert metrics["tokens"] == ref_metrics["tokens"] == 66
     rows = metrics["logprobs"].shape[0]  # rank 0's share of the batch
     torch.testing.assert_close(metrics["logprobs"], ref_metrics["logprobs"][:rows], atol=1e-5, rtol=1e-5)
