@@ -124,7 +124,7 @@ class RolloutScorer:
                 out[index] = torch.tensor(scores, dtype=torch.float64)
                 out[[n + i for i in index]] = torch.tensor(errored, dtype=torch.float64)
                 if any(errored):
-                    log.warning("reward %s: %d of %d responses errored or timed out (left out of training)",
+                    log.warning("reward %s: %d of %d responses errored or timed out (invalid samples)",
                                 self.domains[domain].reward.name, sum(errored), len(index))
         if dist.get_world_size(self.group) > 1:
             dist.broadcast(out, src=self.src, group=self.group)
