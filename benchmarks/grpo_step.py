@@ -294,7 +294,6 @@ def _trl_reward(completions, instructions, **_):
 
 def _trl_main(size: str, warmup: int, steps: int, kl_coef: float) -> None:
     """Runs in a subprocess: TRL GRPOTrainer, prints per-step seconds as JSON on the last line."""
-    import torch
     from datasets import Dataset
     from datasets.table import InMemoryTable
     from transformers import TrainerCallback

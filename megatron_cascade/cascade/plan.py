@@ -346,6 +346,7 @@ class StageMemory:
     logits: float
     host_teachers: float  # offloaded MOPD teachers, per node
     concurrent_samples: int = 0  # samples the KV cache runs at once (generation)
+    local_samples: int = 0  # samples this GPU generates per step
 
     @property
     def training(self) -> float:
@@ -374,23 +375,18 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     frozen = frozen_weights if (with_reference or stage.type == "mopd") else 0.0
     static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
     kv = generation = 0.0
-    concurrent = 0
+    concurrent = local_samples = 0
     if stage.type != "sft":
         gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen)
-        kv, generation, concurrent = gen.kv_cache, gen.kv_cache + gen.step, gen.concurrent
+        kv, generation, concurrent, local_samples = gen.kv_cache, gen.kv_cache + gen.step, gen.concurrent, gen.samples
     distinct_teachers = len(set(stage.teachers.values())) if stage.type == "mopd" else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
-                       host / GIB, concurrent)
+                       host / GIB, concurrent, local_samples)
 
 
-def _concurrency(mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
-    if stage.type == "sft":
-        return ""
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    layout = resolve_layout(cfg.model, cfg.parallel, world, check_this_machine=False)
-    samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
-    return f", {mem.concurrent_samples} of {samples} samples at once"
+def _concurrency(mem: StageMemory) -> str:
+    return f", {mem.concurrent_samples} of {mem.local_samples} samples at once" if mem.local_samples else ""
 
 
 def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
@@ -399,7 +395,7 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
         frozen = f" + {'teacher' if stage.type == 'mopd' else 'kl-reference'} {mem.frozen:.1f}"
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
-            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem, stage, cfg)}], training {mem.training:.1f} [activations "
+            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, logits {mem.logits:.1f}]){host}")
 
 

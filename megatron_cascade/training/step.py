@@ -71,6 +71,11 @@ def _metrics_device(keys: tuple, per_micro: list[dict]) -> torch.device:
     before the last) use the current accelerator, or the CPU."""
     for metrics in per_micro:
         return metrics[keys[0]].device
+    return _current_device()
+
+
+def _current_device() -> torch.device:
+    """The current accelerator (where collectives of NCCL groups need their tensors), or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -239,8 +244,7 @@ def lockstep_count(local: int) -> int:
     Reduced over the data-parallel group rather than the expert-parallel group: every replica is
     in it, so all ranks of a replica (its TP/PP ranks too, which sit in different EP groups) get
     the same figure and keep their own collectives in step as well."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    count = torch.tensor([local], dtype=torch.int64, device=device)
+    count = torch.tensor([local], dtype=torch.int64, device=_current_device())
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=_parallel_state().get_data_parallel_group())
     return int(count.item())
 

@@ -9,7 +9,6 @@
   runs the rewards and the other gets the scores by broadcast.
 """
 
-import threading
 import time
 
 import pytest
