@@ -26,7 +26,7 @@ def _setup_logging() -> None:
     level = logging.INFO if rank == "0" else logging.WARNING
     logging.basicConfig(level=level, format=f"[%(asctime)s r{rank} %(name)s] %(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    from megatron_cascade.testing.cpu_mode import silence_cpu_warnings
+    from megatron_cascade.cpu_runtime import silence_cpu_warnings
 
     silence_cpu_warnings()
     logging.getLogger("megatron").setLevel(logging.WARNING)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections import deque
@@ -25,6 +26,13 @@ EXIT_REQUEUE = 75
 DEFAULT_TIMEOUT_MINUTES = DistributedConfig().timeout_minutes
 
 
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
     """Join the process group the launcher describes (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as set
     by torchrun or slurm/stage.sbatch), or make a one-process group; nccl on GPU, gloo on CPU.
@@ -35,8 +43,6 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
     if dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:
-        from megatron_cascade.testing.distributed import find_free_port
-
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(find_free_port()))
     timeout = timedelta(minutes=timeout_minutes)
@@ -46,7 +52,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
         # those, NCCL the CUDA tensors of the model.
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
     else:
-        from megatron_cascade.testing.cpu_mode import enable_cpu_mode
+        from megatron_cascade.cpu_runtime import enable_cpu_mode
 
         enable_cpu_mode()
         dist.init_process_group("gloo", timeout=timeout)

@@ -35,7 +35,7 @@ def megatron_runtime() -> Iterator[None]:
     from megatron_cascade.model import initialize_model_parallel
 
     if not torch.cuda.is_available():
-        from megatron_cascade.testing import enable_cpu_mode
+        from megatron_cascade.cpu_runtime import enable_cpu_mode
 
         enable_cpu_mode()
     own_dist = not dist.is_initialized()

@@ -13,7 +13,7 @@ from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.stage_forward import sequence_parallel_off
 from megatron_cascade.rollout.static import generate_static
-from megatron_cascade.testing.cpu_mode import device_rewrite_paused
+from megatron_cascade.cpu_runtime import device_rewrite_paused
 from megatron_cascade.tokenizers.base import Tokenizer
 
 

@@ -14,13 +14,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import psutil
+
+from megatron_cascade.cascade.runtime import find_free_port
 
 
 class WorkerError(RuntimeError):
@@ -29,13 +30,6 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int, message: str):
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free when asked (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -59,7 +53,7 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: tuple, kwargs: dict, res
         MASTER_PORT=str(spec.port),
     )
     try:
-        from megatron_cascade.testing.cpu_mode import silence_cpu_warnings
+        from megatron_cascade.cpu_runtime import silence_cpu_warnings
 
         silence_cpu_warnings()
         import torch
@@ -67,7 +61,7 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: tuple, kwargs: dict, res
 
         torch.set_num_threads(spec.threads)
         if spec.cpu_mode:
-            from megatron_cascade.testing.cpu_mode import enable_cpu_mode
+            from megatron_cascade.cpu_runtime import enable_cpu_mode
 
             enable_cpu_mode()
         dist.init_process_group("gloo", rank=spec.rank, world_size=spec.world_size)

@@ -1,4 +1,4 @@
-"""Run Megatron-Core on CPU (gloo), for tests and the tiny demo.
+"""Run Megatron-Core on CPU (gloo): the runtime behind the tiny demo, CPU training and the tests.
 
 Megatron-Core assumes CUDA in a handful of places that have nothing to do with the math:
 the pipeline schedules and buffers allocate with ``device="cuda"`` / ``torch.cuda.current_device()``,
