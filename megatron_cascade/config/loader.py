@@ -235,6 +235,12 @@ def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None
         raise ConfigError(f"{where}: rollout.max_new_tokens={stage.rollout.max_new_tokens} leaves no room for the "
                           f"prompt in model.max_position_embeddings={cfg.model.max_position_embeddings}")
     _validate_kv_cache(stage, where)
+    if stage.rollout.dynamic_sampling_max_rounds < 1:
+        raise ConfigError(f"{where}: rollout.dynamic_sampling_max_rounds={stage.rollout.dynamic_sampling_max_rounds} "
+                          f"must be >= 1 (1 = no dynamic sampling)")
+    if stage.rollout.dynamic_sampling_max_rounds > 1 and not stage.rollout.filter_uninformative_groups:
+        raise ConfigError(f"{where}: rollout.dynamic_sampling_max_rounds > 1 replaces filtered groups: it needs "
+                          f"rollout.filter_uninformative_groups: true")
     if stage.training.micro_batch_size < 1 or stage.training.ppo_epochs < 1:
         raise ConfigError(f"{where}: training.micro_batch_size and training.ppo_epochs must be >= 1")
 

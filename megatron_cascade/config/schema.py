@@ -27,6 +27,10 @@ class RolloutConfig:
     stop_strings: List[str] = field(default_factory=list)
     overlong_policy: str = "zero"  # unfinished responses: zero (reward 0) | mask (left out of the loss)
     filter_uninformative_groups: bool = True  # drop groups whose rewards are all equal
+    # Dynamic sampling (DAPO, NeMo-RL): after filtering, generate groups for further prompts until
+    # prompts_per_step informative groups are collected, in at most this many generation rounds per step
+    # (1 = off: the step trains on whatever survived the filter). Needs filter_uninformative_groups.
+    dynamic_sampling_max_rounds: int = 1
     std_normalize_advantages: bool = True
     advantage_baseline: str = "mean"  # mean | leave_one_out
     advantage_std: str = "sample"  # sample (n - 1: verl, NeMo-RL, TRL) | population (n)
