@@ -77,14 +77,18 @@ def group_advantages(
 ) -> torch.Tensor:
     """GRPO group-relative advantages, one scalar per response.
 
-    ``A[p, i] = (r[p, i] - b[p, i]) / (std_p + eps)`` where ``b`` is the group mean
-    (``baseline="mean"``) or the mean of the other responses of the group
-    (``baseline="leave_one_out"``), and ``std_p`` the group's std: the sample std (``n - 1``,
-    verl / NeMo-RL / TRL) or the population std (``n``); without ``std_normalize`` no division.
+    ``baseline="mean"`` (GRPO): ``A[p, i] = (r[p, i] - mean_p) / (std_p + eps)`` with the group's std:
+    the sample std (``n - 1``: verl / NeMo-RL / TRL) or the population std (``n``).
 
-    Groups whose (valid) rewards are all equal get advantage exactly 0 (they carry no signal;
-    see :func:`informative_groups` to drop them). Invalid responses (``valid`` False) get 0 and
-    do not enter the group statistics.
+    ``baseline="leave_one_out"`` (RLOO, as NeMo-RL's ``calculate_baseline_and_std_per_prompt``): the
+    baseline *and* the std of response ``i`` are those of the other ``m = n - 1`` valid responses of its
+    group, ``A[p, i] = (r[p, i] - mean_{-i}) / (std_{-i} + eps)`` (std over ``m - 1`` or ``m``); where
+    ``std_{-i}`` is 0 (the others all agree) the advantage is left unnormalised, ``r[p, i] - mean_{-i}``,
+    rather than divided by ``eps``.
+
+    Without ``std_normalize`` no division. Groups whose (valid) rewards are all equal get advantage
+    exactly 0 (they carry no signal; see :func:`informative_groups` to drop them). Invalid responses
+    (``valid`` False) get 0 and do not enter the group statistics.
 
     Args:
         rewards: ``[P, G]`` rewards (P prompts, G responses each); cast to >= float32.
@@ -105,22 +109,43 @@ def group_advantages(
     if eps < 0:
         raise ValueError(f"{fn}: `eps` must be >= 0, got {eps}")
     r, v = _check_rewards(fn, rewards, valid)
-    vf = v.to(r.dtype)
     zeros = torch.zeros_like(r)
     r = torch.where(v, r, zeros)
-    n = vf.sum(dim=1, keepdim=True)
-    total = r.sum(dim=1, keepdim=True)
-    mean = total / n.clamp(min=1)
     if baseline == "mean":
-        adv = r - mean
+        adv = _mean_baseline(r, v, std_normalize, eps, std)
     else:
-        adv = r - (total - r) / (n - 1).clamp(min=1)
-    if std_normalize:
-        dev = torch.where(v, r - mean, zeros)
-        dof = (n - 1 if std == "sample" else n).clamp(min=1)  # groups of one valid response get 0 anyway
-        adv = adv / (torch.sqrt((dev * dev).sum(dim=1, keepdim=True) / dof) + eps)
+        adv = _leave_one_out(r, v, std_normalize, eps, std)
     keep = _informative(r, v)[:, None] & v
     return torch.where(keep, adv, zeros)
+
+
+def _mean_baseline(r: torch.Tensor, v: torch.Tensor, std_normalize: bool, eps: float, std: str) -> torch.Tensor:
+    n = v.to(r.dtype).sum(dim=1, keepdim=True)
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    adv = r - mean
+    if not std_normalize:
+        return adv
+    dev = torch.where(v, adv, torch.zeros_like(r))
+    dof = (n - 1 if std == "sample" else n).clamp(min=1)  # groups of one valid response get 0 anyway
+    return adv / (torch.sqrt((dev * dev).sum(dim=1, keepdim=True) / dof) + eps)
+
+
+def _leave_one_out(r: torch.Tensor, v: torch.Tensor, std_normalize: bool, eps: float, std: str) -> torch.Tensor:
+    """RLOO baseline and, per response, the std of the other valid responses of its group."""
+    vf = v.to(r.dtype)
+    m = vf.sum(dim=1, keepdim=True) - vf  # others of each response (valid responses only count)
+    others_sum = r.sum(dim=1, keepdim=True) - r
+    others_mean = others_sum / m.clamp(min=1)
+    adv = r - others_mean
+    if not std_normalize:
+        return adv
+    # Centred second moment of the others (not E[r^2] - E[r]^2: no cancellation, exact zeros).
+    dev = r.unsqueeze(1) - others_mean.unsqueeze(2)  # [P, i, j]: r_j - mean_{-i}
+    others = v.unsqueeze(1) & ~torch.eye(r.shape[1], dtype=torch.bool, device=r.device).unsqueeze(0)
+    ss = torch.where(others, dev * dev, torch.zeros_like(dev)).sum(dim=2)
+    dof = m - 1 if std == "sample" else m
+    sd = torch.where(dof > 0, torch.sqrt(ss / dof.clamp(min=1)), torch.zeros_like(r))
+    return torch.where(sd > 0, adv / (sd + eps), adv)
 
 
 def apply_overlong_policy(

@@ -137,6 +137,8 @@ def ref_mopd(
 
 
 def ref_group_advantages(rewards, *, std_normalize=True, eps=1e-6, baseline="mean", valid=None, std_kind="sample"):
+    """Mean baseline: the group's std. Leave-one-out: NeMo-RL's RLOO, baseline and std of the *other*
+    valid responses, no division where that std is 0."""
     rw = rewards.double().tolist()
     vd = None if valid is None else valid.tolist()
     out = []
@@ -145,16 +147,15 @@ def ref_group_advantages(rewards, *, std_normalize=True, eps=1e-6, baseline="mea
         vals = [row[g] for g in idx]
         res = [0.0] * len(row)
         if len(vals) >= 2 and max(vals) != min(vals):
-            mean = sum(vals) / len(vals)
-            dof = len(vals) - 1 if std_kind == "sample" else len(vals)
-            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / dof)
             for g in idx:
-                if baseline == "mean":
-                    base = mean
-                else:
-                    base = sum(row[h] for h in idx if h != g) / (len(vals) - 1)
+                pool = vals if baseline == "mean" else [row[h] for h in idx if h != g]
+                base = sum(pool) / len(pool)
+                dof = len(pool) - 1 if std_kind == "sample" else len(pool)
+                sd = math.sqrt(sum((x - base) ** 2 for x in pool) / dof) if dof > 0 else 0.0
                 a = row[g] - base
-                res[g] = a / (std + eps) if std_normalize else a
+                if std_normalize and (baseline == "mean" or sd > 0):
+                    a = a / (sd + eps)
+                res[g] = a
         out.append(res)
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -36,8 +38,27 @@ def test_without_std_and_leave_one_out():
     # r_i - (12 - r_i)/3
     assert torch.allclose(loo, torch.tensor([[-8 / 3, -4 / 3, 0.0, 4.0]]))
     loo_std = group_advantages(r, baseline="leave_one_out", eps=0.0)
-    std = torch.tensor([1.0, 2.0, 3.0, 6.0]).std(unbiased=True)
-    assert torch.allclose(loo_std, loo / std)
+    others_std = torch.tensor([[2.0, 3.0, 6.0], [1.0, 3.0, 6.0], [1.0, 2.0, 6.0], [1.0, 2.0, 3.0]]).std(dim=1)
+    assert torch.allclose(loo_std, loo / others_std)
+
+
+def test_leave_one_out_as_nemo_rl():
+    """NeMo-RL's RLOO (``calculate_baseline_and_std_per_prompt`` + its GRPO estimator): baseline and
+    std of the other responses, no division where the others agree. Before, the whole group's std was
+    used: A = [1.5, -0.5, -0.5, -0.5] here instead of [1, -1/sqrt(3), ...]."""
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    a = group_advantages(r, baseline="leave_one_out", eps=0.0)
+    # response 0: the others [0, 0, 0] agree (std 0) -> 1 - 0, undivided;
+    # others: [1, 0, 0] -> mean 1/3, sample std sqrt(1/3) -> (0 - 1/3) / sqrt(1/3) = -sqrt(1/3)
+    expected = torch.tensor([[1.0] + [-math.sqrt(1 / 3)] * 3], dtype=torch.float64)
+    assert torch.allclose(a, expected, atol=1e-12, rtol=0)
+    # NeMo-RL's formula written out: E_-i[r^2] - E_-i[r]^2, Bessel-corrected over the n - 1 others.
+    n = r.shape[1]
+    base = (r.sum() - r) / (n - 1)
+    sq = ((r * r).sum() - r * r) / (n - 1)
+    std = ((sq - base * base) * ((n - 1) / (n - 2))).sqrt()
+    nemo = torch.where(std > 0, (r - base) / (std + 1e-6), r - base)
+    assert torch.allclose(group_advantages(r, baseline="leave_one_out"), nemo, atol=1e-9, rtol=0)
 
 
 def test_default_std_is_the_sample_std_as_verl_nemo_rl_and_trl():
