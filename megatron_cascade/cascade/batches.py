@@ -25,14 +25,18 @@ def sft_batch(examples: list[Example], tokenizer) -> TrainBatch:
     return TrainBatch(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask)
 
 
-def rollout_batch(rollouts: RolloutBatch, tokenizer, *, keep: torch.Tensor, advantages: torch.Tensor | None) -> TrainBatch:
+def rollout_batch(rollouts: RolloutBatch, tokenizer, *, keep: torch.Tensor, advantages: torch.Tensor | None,
+                  truncated: bool = False) -> TrainBatch:
     """Pack rollouts (prompt-major) into a batch; rows with ``keep`` False are masked out of the loss.
 
     Args:
         keep: [num_samples] bool, e.g. dynamic filtering of uninformative groups or overlong masking.
         advantages: [num_samples] GRPO advantages, or None (MOPD).
+        truncated: the trainer's log-probs are of the top-k / top-p truncated distribution
+            (``LossSpec.truncated``): the inference log-probs are then the sampler's of that same
+            distribution, so that the IS ratio compares like with like.
     """
-    packed = pack_rollouts(rollouts, pad_id=tokenizer.pad_id)
+    packed = pack_rollouts(rollouts, pad_id=tokenizer.pad_id, logprobs="sampled" if truncated else "temperature")
     mask = packed.loss_mask * keep.to(packed.loss_mask.dtype).unsqueeze(1)
     return TrainBatch(input_ids=packed.tokens, target_ids=packed.targets, loss_mask=mask,
                       advantages=advantages, inference_logprobs=packed.inference_logprobs)

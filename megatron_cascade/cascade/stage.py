@@ -7,6 +7,7 @@ or teacher log-probs (MOPD), one optimizer step (``training.optimize_on_batch``)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -86,6 +87,17 @@ def teacher_paths(ctx: RunContext, stage: ResolvedStage) -> dict[str, str]:
     return out
 
 
+def stage_loss_spec(stage: ResolvedStage, vocab_size: int) -> LossSpec:
+    """What the stage trains on: RL stages take log-probs of the distribution the rollouts were sampled
+    from (temperature, top-k, top-p of ``rollout``); SFT of the plain softmax. Greedy rollouts
+    (temperature 0) train at temperature 1 without truncation."""
+    r = stage.rollout
+    if stage.type == "sft" or r.temperature <= 0:
+        return LossSpec(stage.type, stage.loss, temperature=1.0, vocab_size=vocab_size)
+    return LossSpec(stage.type, stage.loss, temperature=r.temperature, vocab_size=vocab_size, top_k=r.top_k,
+                    top_p=r.top_p)
+
+
 class StageRunner:
     """Runs one resolved stage to completion (resuming from its last checkpoint if there is one)."""
 
@@ -97,13 +109,8 @@ class StageRunner:
         if stage.prompts_per_step % self.dp_size:
             raise ConfigError(f"stage {stage.name!r}: prompts_per_step={stage.prompts_per_step} is not divisible "
                               f"by the data-parallel size {self.dp_size}")
-        self.spec = LossSpec(stage.type, stage.loss, temperature=self._train_temperature(),
-                             vocab_size=self.tok.vocab_size)
+        self.spec = stage_loss_spec(stage, self.tok.vocab_size)
         self.ckpt_root = checkpoint_root(self.cfg.output_dir, stage.name)
-
-    def _train_temperature(self) -> float:
-        t = self.stage.rollout.temperature
-        return 1.0 if self.stage.type == "sft" or t <= 0 else t
 
     # -- setup ---------------------------------------------------------------------------------
     def _build(self) -> int:
@@ -231,7 +238,8 @@ class StageRunner:
         if self.stage.type == "grpo":
             batch = self._grpo_batch(rollouts, rewards, keep, sums)
         else:
-            batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=None)
+            batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=None,
+                                  truncated=self.spec.truncated)
             batch.teacher_logprobs = self._teacher_logprobs(batch, domains)
         timing = {"time/generation_s": gen_s, "time/reward_s": reward_s}
         return batch, sums, timing
@@ -246,14 +254,17 @@ class StageRunner:
         if r.filter_uninformative_groups:
             keep = keep & informative.unsqueeze(1)
         sums["advantage_abs_sum"] = float((advantages.abs() * keep).sum())
-        batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=advantages.flatten().float())
+        batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=advantages.flatten().float(),
+                              truncated=self.spec.truncated)
         if self.reference is not None:
             batch.ref_logprobs = forward_logprobs([self.reference], batch, self.spec,
                                                   self.stage.training.micro_batch_size)
         return batch
 
     def _teacher_logprobs(self, batch: TrainBatch, domains: list[str]) -> torch.Tensor:
-        return teacher_logprobs(self.teachers, batch, domains, self.spec, self.stage.training.micro_batch_size)
+        # A teacher is a reference distribution, not the sampler: its log-probs are not truncated.
+        spec = dataclasses.replace(self.spec, top_k=0, top_p=1.0)
+        return teacher_logprobs(self.teachers, batch, domains, spec, self.stage.training.micro_batch_size)
 
     def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str],
                       errored: torch.Tensor) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded_vocab
 from megatron_cascade.rollout.params import SamplingParams
 
 
@@ -24,39 +25,6 @@ class SampleOutput:
     tokens: torch.Tensor
     temperature_logprobs: torch.Tensor
     sampled_logprobs: torch.Tensor
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Copy of ``logits [B, V_padded]`` with ids ``>= vocab_size`` (embedding padding) set to -inf."""
-    if vocab_size > logits.shape[-1]:
-        raise ValueError(f"tokenizer vocab_size={vocab_size} exceeds the model's {logits.shape[-1]} logits")
-    out = logits.clone()
-    out[..., vocab_size:] = float("-inf")
-    return out
-
-
-def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits per row (others -inf); ``top_k=0`` keeps all."""
-    if top_k <= 0 or top_k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (others -inf).
-
-    The most likely token is always kept, so a row never becomes empty.
-    """
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= top_p
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
 
 
 def temperature_logprobs(logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from megatron_cascade.algorithms import grpo_loss, mopd_loss, sft_loss
 from megatron_cascade.config.training import LossConfig
 from megatron_cascade.model.builder import sequence_length_multiple
 from megatron_cascade.model.moe_aux_loss import aux_loss_weights
-from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_truncated_logprobs
 from megatron_cascade.training.batch import TrainBatch
 
 LOSS_KINDS = ("sft", "grpo", "mopd")
@@ -43,12 +43,17 @@ class LossSpec:
         loss: the loss section of the config.
         temperature: the sampling temperature; log-probs are of softmax(logits / temperature).
         vocab_size: real vocabulary size (padded embedding rows are left out of the softmax).
+        top_k, top_p: the sampler's truncation (``rollout.top_k`` / ``rollout.top_p``); log-probs and
+            entropy are then those of the truncated, renormalised distribution the responses were
+            sampled from (``ops/truncated_logprobs.py``). 0 / 1.0: no truncation.
     """
 
     kind: str
     loss: LossConfig
     temperature: float = 1.0
     vocab_size: Optional[int] = None
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
@@ -58,6 +63,13 @@ class LossSpec:
                              f"{[*_IS_MODES, 'none']}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+
+    @property
+    def truncated(self) -> bool:
+        """Whether log-probs are of the top-k / top-p truncated distribution."""
+        return self.top_k > 0 or self.top_p < 1.0
 
     @property
     def counts_sequences(self) -> bool:
@@ -77,16 +89,25 @@ def tempered(logits: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     return logits / spec.temperature if spec.temperature != 1.0 else logits
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, spec: LossSpec, tp_group) -> torch.Tensor:
-    """[B, S] log-probs of ``targets`` under softmax(logits / temperature); logits [B, S, V/TP]."""
-    return vocab_parallel_logprobs(tempered(logits, spec), targets, group=tp_group, vocab_size=spec.vocab_size)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, spec: LossSpec, tp_group, *,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs [B, S] of ``targets`` under the sampling distribution — softmax(logits / temperature),
+    truncated to the sampler's top-k / top-p when the spec has them — and, with ``with_entropy``, that
+    distribution's entropy [B, S] (nats, no gradient; else None). logits [B, S, V/TP]."""
+    scaled = tempered(logits, spec)
+    if spec.truncated:
+        return vocab_parallel_truncated_logprobs(scaled, targets, top_k=spec.top_k, top_p=spec.top_p, group=tp_group,
+                                                 vocab_size=spec.vocab_size, with_entropy=with_entropy)
+    logprobs = vocab_parallel_logprobs(scaled, targets, group=tp_group, vocab_size=spec.vocab_size)
+    entropy = None
+    if with_entropy:
+        entropy = vocab_parallel_entropy(scaled.detach(), group=tp_group, vocab_size=spec.vocab_size)
+    return logprobs, entropy
 
 
-def entropy_sum(logits: torch.Tensor, mask: torch.Tensor, spec: LossSpec, tp_group) -> torch.Tensor:
-    """Sum over loss tokens of the entropy (nats) of the sampling distribution softmax(logits / T)
-    (float64 scalar, no gradient): the policy-entropy metric (``entropy_mean`` after finalising)."""
-    entropy = vocab_parallel_entropy(tempered(logits.detach(), spec), group=tp_group, vocab_size=spec.vocab_size)
-    return torch.where(mask.bool(), entropy, torch.zeros_like(entropy)).sum().to(torch.float64)
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 sum of ``values`` where ``mask`` is set (e.g. the ``entropy_sum`` metric over loss tokens)."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum().to(torch.float64)
 
 
 def compute_loss(spec: LossSpec, logprobs: torch.Tensor, micro: TrainBatch, normalizer: torch.Tensor):
@@ -186,13 +207,14 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
             logits = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
-            logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
+            logprobs, entropy = token_logprobs(output, micro.target_ids, spec, tp_group, with_entropy=True)
             loss, metrics = compute_loss(spec, logprobs, micro, normalizer)
             num_tokens = micro.loss_mask.bool().sum().to(torch.int)
             # Clones: Megatron may scale the returned loss in place.
             reported = {k: v.detach().clone() for k, v in metrics.items()}
             reported["loss"] = loss.detach().clone()
-            reported["entropy_sum"] = entropy_sum(output, micro.loss_mask, spec, tp_group)
+            # Policy entropy over loss tokens (``entropy_mean`` after finalising).
+            reported["entropy_sum"] = masked_sum(entropy, micro.loss_mask)
             return loss, num_tokens, reported
 
         return logits, loss_func
@@ -209,7 +231,7 @@ def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
         logits = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
-            logprobs = token_logprobs(output, micro.target_ids, spec, tp_group)
+            logprobs, _ = token_logprobs(output, micro.target_ids, spec, tp_group)
             sink.append(logprobs[:, : original.seq_length].detach().cpu())
             return torch.zeros((), device=output.device), {}
 

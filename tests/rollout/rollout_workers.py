@@ -66,6 +66,38 @@ def _training_check(model, batch, temperature: float) -> dict:
     }
 
 
+def _stage_trainer_check(model, batch, params: SamplingParams) -> dict:
+    """The GRPO stage's own path: ``stage_loss_spec`` from a rollout section sampling like ``params``,
+    ``rollout_batch`` packing, ``token_logprobs`` — vs the log-probs of the distribution sampled from."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_cascade.cascade.batches import rollout_batch
+    from megatron_cascade.cascade.stage import stage_loss_spec
+    from megatron_cascade.config import LossConfig, OptimizerConfig, TrainingConfig
+    from megatron_cascade.config.schema import ResolvedStage, RolloutConfig
+    from megatron_cascade.training.loss_plugin import token_logprobs
+
+    rollout = RolloutConfig(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    stage = ResolvedStage("rl", "grpo", 1, 1, 1, {"d": 1.0}, {}, OptimizerConfig(), LossConfig(), TrainingConfig(),
+                          rollout)
+    spec = stage_loss_spec(stage, TOKENIZER.vocab_size)
+    train = rollout_batch(batch, TOKENIZER, keep=torch.ones(len(batch), dtype=torch.bool),
+                          advantages=torch.zeros(len(batch)), truncated=spec.truncated)
+    model.eval()
+    with torch.no_grad():
+        logits = model(train.input_ids, position_ids=_positions(train.input_ids), attention_mask=None)
+    trainer, _ = token_logprobs(logits, train.target_ids, spec, ps.get_tensor_model_parallel_group())
+    mask = train.loss_mask.bool()
+    sampled = torch.tensor([lp for s in batch for lp in s.sampled_logprobs])
+    return {"vs_sampled": (trainer[mask] - sampled).abs().max().item(),
+            "vs_batch": (trainer - train.inference_logprobs)[mask].abs().max().item(),
+            "tokens_checked": int(mask.sum())}
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+
+
 def reference_worker(weights_dir: str) -> dict:
     """TP=PP=1: every single-process check; saves the weights the other layouts load."""
     model = _setup(ParallelConfig(), weights_dir, save=True)
@@ -83,6 +115,7 @@ def reference_worker(weights_dir: str) -> dict:
     out["sampled_seed2"] = _summary(generate(model, PROMPTS, _with(SAMPLED, seed=12), tokenizer=TOKENIZER))
     out["sampled_nocache"] = _summary(generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, use_kv_cache=False))
     out["sampled_train"] = _training_check(model, sampled, SAMPLED.temperature)
+    out["sampled_stage_train"] = _stage_trainer_check(model, sampled, SAMPLED)
     out["top_k1"] = _summary(generate(model, PROMPTS, _with(GREEDY, temperature=1.0, top_k=1), tokenizer=TOKENIZER))
     hot = generate(model, PROMPTS, HOT, tokenizer=TOKENIZER)
     out["hot"] = _summary(hot)
@@ -133,6 +166,7 @@ def layout_worker(parallel: ParallelConfig, weights_dir: str) -> dict:
     out = {"greedy": _summary(greedy), "sampled": _summary(sampled)}
     if parallel.pipeline_model_parallel_size == 1:
         out["sampled_train"] = _training_check(model, sampled, SAMPLED.temperature)
+        out["sampled_stage_train"] = _stage_trainer_check(model, sampled, SAMPLED)
     else:
         overlapped = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, overlap_pipeline_stages=True)
         out["sampled_overlapped"] = _summary(overlapped)

@@ -48,6 +48,16 @@ def test_logprobs_equal_trainer_forward(ref, kind):
     assert check["vs_float64"] < LOGPROB_ATOL
 
 
+def test_trainer_logprobs_are_of_the_truncated_distribution_sampled_from(ref):
+    """With rollout.top_k / top_p the GRPO stage trains on the log-probs of the truncated distribution
+    the responses were drawn from (as NeMo-RL), and its IS ratio compares them with the sampler's log-probs
+    of that same distribution. Before, the trainer used the untruncated softmax: up to 0.69 nats off here."""
+    check = ref["sampled_stage_train"]
+    assert check["tokens_checked"] >= 30
+    assert check["vs_sampled"] < LOGPROB_ATOL
+    assert check["vs_batch"] < LOGPROB_ATOL
+
+
 def test_prompts_of_different_lengths_are_left_padded_correctly(ref):
     # The trainer check packs each sample unpadded from position 0: equality there (above) means
     # left padding changed nothing. Here: the lengths really differ and every row got its tokens.
@@ -134,6 +144,8 @@ def test_layout_matches_single_process(ref, weights_dir, tag, parallel):
     assert ranks[0] == ranks[1]
     if tag == "tp2":
         assert ranks[0]["sampled_train"]["vs_trainer"] < LOGPROB_ATOL
+        # Truncated log-probs at TP=2: the vocab shards are exchanged for token shards and back.
+        assert ranks[0]["sampled_stage_train"]["vs_sampled"] < LOGPROB_ATOL
     else:
         # Stages overlapped on two KV lanes: the same samples; every lane step counted per stage.
         got = ranks[0]["sampled_overlapped"]

@@ -1,0 +1,145 @@
+"""Log-probs and entropy under the top-k / top-p truncated distribution the sampler draws from.
+
+With ``rollout.top_k`` / ``rollout.top_p`` the policy that generated a response is not
+``softmax(logits / T)`` but its truncation to the top-k, then top-p, tokens, renormalised. Training on
+the untruncated log-probs would follow the gradient of another policy, and the IS ratio against the
+sampler's log-probs would compare two distributions. Here the trainer applies exactly the sampler's
+filters (:mod:`megatron_cascade.ops.filters`, shared with ``rollout/sampling.py``).
+
+Top-p needs each token's whole distribution sorted, which a vocabulary shard does not have: the
+vocab-sharded logits ``[N, V/TP]`` are exchanged (all-to-all) into token shards ``[N/TP, V]``, each rank
+filters and normalises its tokens over the full vocabulary, and the per-token results are gathered
+back. The exchange is its own inverse in backward, so the op is differentiable in the logits.
+Memory: one [N/TP, V] float32 copy plus its softmax, the size of the local logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded_vocab
+
+
+LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32
+
+
+def _tp_size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _vocab_to_token_shards(x: torch.Tensor, group) -> torch.Tensor:
+    """[N, V/TP] (N divisible by TP) -> [N/TP, V]: rank r gets rows r*N/TP.. with every vocab shard."""
+    tp = _tp_size(group)
+    n, v_local = x.shape
+    recv = torch.empty(tp, n // tp, v_local, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, x.contiguous(), group=group)  # recv[s] = rank s's shard of my rows
+    return recv.permute(1, 0, 2).reshape(n // tp, tp * v_local)
+
+
+def _token_to_vocab_shards(y: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_vocab_to_token_shards`: [N/TP, V] -> [N, V/TP]."""
+    tp = _tp_size(group)
+    rows, v = y.shape
+    send = y.reshape(rows, tp, v // tp).permute(1, 0, 2).contiguous()  # send[s] = shard s of my rows
+    out = torch.empty(tp * rows, v // tp, dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(out, send.reshape(tp * rows, v // tp), group=group)
+    return out
+
+
+class _ToTokenShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _vocab_to_token_shards(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _token_to_vocab_shards(grad.contiguous(), ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather per-token values [N/TP] -> [N]. Every rank computes the same loss from the gathered
+    values (as with vocab-parallel log-probs), so each rank's gradient is its own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rows = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(_tp_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+
+
+def truncated_log_softmax(logits: torch.Tensor, *, top_k: int, top_p: float, vocab_size: Optional[int]) -> torch.Tensor:
+    """``log_softmax`` over the real vocabulary truncated to the top-k, then top-p, tokens (-inf
+    elsewhere), as the sampler filters: logits [rows, V] (already divided by the temperature)."""
+    logits = logits.float() if logits.dtype != torch.float64 else logits
+    if vocab_size is not None:
+        logits = mask_padded_vocab(logits, vocab_size)
+    with torch.no_grad():  # which tokens survive: a selection, not a function to differentiate
+        keep = torch.isfinite(filter_top_p(filter_top_k(logits.detach(), top_k), top_p))
+    return torch.log_softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def vocab_parallel_truncated_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    top_k: int,
+    top_p: float,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of each target (and optionally the entropy) under softmax(logits) truncated to the
+    top-k, then top-p, tokens and renormalised — the distribution the sampler draws from.
+
+    Args:
+        logits: [..., V_local] this rank's vocabulary shard (divide by the temperature first).
+        targets: [...] global token ids.
+        top_k: keep the k most likely tokens (0: all); top_p: keep the smallest most-likely set
+            reaching this mass (1.0: all).
+        group: tensor-parallel group the vocabulary is sharded over (None: not sharded).
+        vocab_size: real tokens (padding columns never sampled); None = all columns are real.
+        with_entropy: also return the entropy (nats) of the truncated distribution (no gradient).
+
+    Returns:
+        ([...] float32 log-probs (float64 for float64 logits), differentiable in ``logits``;
+        a target outside the kept set gets -inf), and [...] entropies or None.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without the "
+                         f"vocab dim {tuple(logits.shape[:-1])}")
+    lead, tp = targets.shape, _tp_size(group)
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    n = flat.shape[0]
+    pad = (-n) % tp  # all-to-all needs the tokens split evenly over the TP ranks
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
+        flat_targets = torch.cat([flat_targets, flat_targets.new_zeros(pad)])
+    rows = (n + pad) // tp
+    rank = 0 if tp == 1 else dist.get_rank(group)
+    mine = flat_targets[rank * rows:(rank + 1) * rows]
+    full = flat if tp == 1 else _ToTokenShards.apply(flat, group)
+    logp = truncated_log_softmax(full, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
+    # A target the trainer's filter drops (the sampler's logits differed in the last bits) has
+    # probability 0 here: a finite floor keeps masked sums free of -inf * 0 (no gradient flows to it).
+    picked = logp.gather(-1, mine.unsqueeze(-1)).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = logp.exp()
+            entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    if tp > 1:
+        picked = _GatherTokens.apply(picked, group)
+        entropy = None if entropy is None else _GatherTokens.apply(entropy, group)
+    picked = picked[:n].reshape(lead)
+    return picked, (None if entropy is None else entropy[:n].reshape(lead))
