@@ -121,9 +121,10 @@ class PromptMixer:
         self.probs = torch.tensor([weights[d] / total for d in self.domains], dtype=torch.float64)
         self.seed = seed
 
-    def draw(self, step: int, count: int) -> list[Example]:
-        """``count`` examples for ``step``: domains by weight, examples uniformly within a domain."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+    def draw(self, step: int, count: int, round: int = 0) -> list[Example]:
+        """``count`` examples for ``step``: domains by weight, examples uniformly within a domain.
+        ``round`` > 0: a further independent draw for the same step (dynamic sampling's extra rounds)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + round * 7_368_787)
         picks = torch.multinomial(self.probs, count, replacement=True, generator=gen).tolist()
         out = []
         for index in picks:
