@@ -8,10 +8,12 @@ A checkpoint is a folder ``step_00000N/`` holding
   read fully in parallel over the data-parallel ranks: a run saved at DP=2/TP=2 resumes at DP=1/TP=1;
 * ``rng/rank_XXXXX.pt``: each rank's RNG states (plain tensors, read back with ``weights_only``);
 * ``state.json``: the step, the caller's state, the lr schedule and the layout it was written at.
-It is written as ``step_00000N.partial/`` and renamed when every rank has finished; then the ``latest``
-pointer is replaced atomically. A crash at any moment leaves either the previous ``latest`` or the
-new one, never a half-written one. Nothing here unpickles code: the files Megatron writes are read by
-``torch.load`` with its ``weights_only`` default, ours too.
+It is written as ``step_00000N.partial/`` and renamed when every rank has finished and every file and
+folder of it is fsynced; then the ``latest`` pointer is replaced atomically. A crash at any moment
+leaves either the previous ``latest`` or the new one, never a half-written one. ``state.json`` records
+every file's size (and small files' hashes): a latest checkpoint damaged afterwards (truncated, a
+file lost) is skipped with a warning for the previous intact one (``checkpoint_integrity``). Nothing here unpickles code: ``.metadata`` files are read with an
+allow-list, objects, ``common.pt`` and the RNG files with ``weights_only=True`` (``checkpoint_safety``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from megatron_cascade.model import CheckpointError, save_model_weights
 from megatron_cascade.model.checkpoint import _barrier, _rank, _signal_safe_writer_queue
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
+from megatron_cascade.training.checkpoint_integrity import damage, file_record, fsync_path, fsync_tree
 from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ def write_atomically(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))  # the rename itself, on stable storage
 
 
 def _layout() -> dict[str, int]:
@@ -88,19 +92,19 @@ def _model_sharded_state_dict(policy: Policy) -> dict:
 def _parallel_strategies(ckpt_dir: Optional[str] = None):
     """Fully parallel save (or load, with ``ckpt_dir``): data-parallel replicas split the work."""
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import (
-        get_default_load_sharded_strategy,
-        get_default_save_sharded_strategy,
-    )
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelLoadStrategyWrapper,
         FullyParallelSaveStrategyWrapper,
     )
 
+    from megatron_cascade.checkpoint_safety.megatron_load import SafeTorchDistLoadStrategy
+
     group = ps.get_data_parallel_group(with_context_parallel=True)
     if ckpt_dir is None:
         return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
-    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), group)
+    # No file of the checkpoint may run code: allow-listed .metadata, weights_only objects.
+    return FullyParallelLoadStrategyWrapper(SafeTorchDistLoadStrategy(), group)
 
 
 def save_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
@@ -124,12 +128,19 @@ def load_optimizer_state(policy: Policy, ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
+    from megatron_cascade.checkpoint_safety.megatron_load import SafeCommonLoadStrategy
+
     subs = _sub_optimizers(policy)
     for opt in subs:
         _allocate_state(opt)  # the load fills the optimizer's tensors in place
     request = policy.optimizer.sharded_state_dict(_model_sharded_state_dict(policy), is_loading=True,
                                                   metadata=_OPTIMIZER_METADATA)
-    loaded = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_parallel_strategies(ckpt_dir))
+    try:
+        loaded = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=_parallel_strategies(ckpt_dir),
+                                         common_strategy=SafeCommonLoadStrategy())  # common.pt: weights_only
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     states = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
     for opt, state in zip(subs, states):
         if isinstance(opt, DistributedOptimizer):
@@ -201,19 +212,35 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
     _barrier()
     save_model_weights(policy.module, os.path.join(partial, "weights"), policy.model_config)
     save_optimizer_state(policy, os.path.join(partial, "optim"))
-    torch.save(_rng_state(), _rng_file(partial))
+    with open(_rng_file(partial), "wb") as f:
+        torch.save(_rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())  # this rank's file, on its own node (rank 0 may sit on another)
     meta = {"step": step, **state, "scheduler": policy.scheduler.state_dict(), "layout": _layout(),
             "optimizer": {"distributed": policy.parallel.use_distributed_optimizer}}
     _barrier()
     if _rank() == 0:
-        with open(os.path.join(partial, "state.json"), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
+        _seal(partial, meta)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
-        write_atomically(os.path.join(root, LATEST), name)
+        fsync_path(root)
+        write_atomically(os.path.join(root, LATEST), name)  # only now: every file above is durable
         _prune(root, keep_last)
     _barrier()
     return final
+
+
+def _seal(partial: str, meta: dict) -> None:
+    """Write ``state.json`` (the completion marker, with the record of every other file's size and
+    small files' hashes, so that a damaged checkpoint is recognised) and fsync the whole folder.
+
+    Megatron fsyncs the tensor shards it writes, not ``common.pt`` / ``metadata.json``, nor does
+    torch.save or json.dump; nothing fsyncs the folders' entries.
+    """
+    meta = {**meta, "files": file_record(partial)}
+    with open(os.path.join(partial, "state.json"), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    fsync_tree(partial)
 
 
 def _prune(root: str, keep_last: int) -> None:
@@ -221,7 +248,12 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, stale), ignore_errors=True)  # left by a crash mid-save
     steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".partial"))
     latest = read_latest(root)
-    for old in steps[:-keep_last] if keep_last > 0 else []:
+    newest = os.path.basename(latest) if latest else None
+    # Newer than the checkpoint just written: what a fallback abandoned (the damaged one, or
+    # one whose ``latest`` never moved); left there, a later fallback could pick it up.
+    abandoned = [d for d in steps if newest is not None and d > newest]
+    kept = [d for d in steps if d not in abandoned]
+    for old in abandoned + (kept[:-keep_last] if keep_last > 0 else []):
         if os.path.join(root, old) != latest:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
@@ -230,23 +262,54 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "state.json"))
 
 
+def _damage(path: str) -> Optional[str]:
+    """Why the complete checkpoint ``path`` cannot be resumed from (its files differ from the record
+    in its ``state.json``), or None."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            record = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"state.json unreadable ({exc})"
+    return damage(path, record)
+
+
 def read_latest(root: str) -> Optional[str]:
-    """The folder of the last complete checkpoint under ``root``, or None.
+    """The folder of the last complete, intact checkpoint under ``root``, or None.
 
     Follows the ``latest`` pointer; if what it names is gone or incomplete (a folder removed by
-    hand, a file system that lost the rename), falls back to the newest complete ``step_*``.
+    hand, a file system that lost the rename), falls back to the newest complete ``step_*``. A
+    complete checkpoint whose files differ from its record (truncated, missing, rewritten) is
+    skipped with a warning naming the file, for the newest intact one before it (``keep_last`` >= 2
+    keeps one). Every rank reaches the same answer: it depends only on the files.
     """
     pointer = os.path.join(root, LATEST)
+    damaged: list[tuple[str, str]] = []
     if os.path.isfile(pointer):
         with open(pointer) as f:
             path = os.path.join(root, f.read().strip())
         if _complete(path):
-            return path
+            problem = _damage(path)
+            if problem is None:
+                return path
+            damaged.append((path, problem))
     if not os.path.isdir(root):
         return None
     steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".partial"))
-    complete = [os.path.join(root, d) for d in steps if _complete(os.path.join(root, d))]
-    return complete[-1] if complete else None
+    found = None
+    for path in reversed([os.path.join(root, d) for d in steps]):
+        if not _complete(path) or any(path == bad for bad, _ in damaged):
+            continue
+        problem = _damage(path)
+        if problem is None:
+            found = path
+            break
+        damaged.append((path, problem))
+    if damaged and _rank() == 0:
+        for path, problem in damaged:
+            log.warning("checkpoint %s is damaged (%s); %s", path, problem,
+                        f"resuming from the previous intact checkpoint {found} instead" if found
+                        else "no intact checkpoint is left before it: the stage starts over")
+    return found
 
 
 def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
@@ -295,6 +358,8 @@ def save_final_weights(path: str, policy: Policy, extra_files: dict[str, str]) -
         for name, text in extra_files.items():
             with open(os.path.join(partial, name), "w") as f:
                 f.write(text)
+        fsync_tree(partial)  # durable before the manifest can call the stage complete
         shutil.rmtree(path, ignore_errors=True)
         os.rename(partial, path)
+        fsync_path(os.path.dirname(os.path.abspath(path)))
     _barrier()
