@@ -1,58 +1,57 @@
-"""In-namespace launcher for the code sandbox (stdlib only, runs with ``python -I -S -c``).
+"""Launcher of one sandboxed program (stdlib only, runs as ``python -I -S -B -c <this source>``).
 
-This file is *not* imported by the package at run time in the parent; its source text is
-passed to a fresh interpreter with ``-c`` (so that the script directory, which contains
-``math.py`` / ``code.py``, never lands on ``sys.path``). It runs as the first process of
-the new PID/mount/network namespaces created by ``unshare`` (or directly under the
-rlimits-only fallback), still privileged, and then:
+This file is *not* imported by the package; its source text is passed to a fresh interpreter with
+``-c`` (so that the package folder, which holds ``math.py`` / ``code.py``, never lands on
+``sys.path``). It starts as root, a child of the trainer, and:
 
-1. optionally makes every mount read-only inside the private mount namespace, except the
-   sandbox work dir, which is bind-mounted onto itself first so it stays writable;
-2. sets the resource limits (after the mounts: ``RLIMIT_NOFILE`` etc. must not hinder us);
-3. drops privileges (groups, gid, uid) and sets ``no_new_privs`` so set-uid binaries are inert;
-4. re-arms ``PR_SET_PDEATHSIG`` (the kernel clears it on a uid change) so the program dies
-   with the ``unshare`` process that the parent kills on timeout;
-5. ``execve``s the program with a scrubbed environment.
+1. arms ``PR_SET_PDEATHSIG`` = SIGKILL and checks that its parent is still the trainer (a trainer
+   SIGKILLed a moment earlier must not leave it running);
+2. ``isolate``: unshares the mount, network, IPC, UTS and PID namespaces and forks the namespace's
+   init, which re-arms the death signal (its parent is this launcher, which waits and passes the
+   exit status on) and builds a minimal root on a size-capped tmpfs: read-only bind mounts of the
+   interpreter and system libraries only, ``/dev/{null,zero,full,random,urandom}``, a fresh
+   ``/proc``, the writable work dir and ``/tmp`` (both on that tmpfs, so ``disk_bytes`` caps
+   them together); then ``pivot_root`` there and detaches the host's file system;
+3. drops privileges to the per-program uid, joins a fresh session keyring (the trainer's keys
+   stay out of reach), sets ``no_new_privs``, re-arms the death signal (a uid change clears it),
+   sets the rlimits, installs the seccomp filter (bytes built by ``_sandbox_seccomp``) and
+4. ``execve``s the program with a scrubbed environment: it is the init of its PID namespace, so
+   when it ends, is killed, or the trainer dies, every process it started dies with it.
 
-Argument: one JSON object in ``sys.argv[1]`` with keys ``workdir``, ``uid``, ``gid``,
-``rlimits`` (name -> int), ``argv``, ``env``, ``remount_ro``, ``pdeathsig``.
-Exit status 126 with a message on stderr means the sandbox could not be set up (fail closed).
+Argument: one JSON object in ``sys.argv[1]`` (see ``sandbox.CodeSandbox._launcher_config``).
+Exit status 126 with ``sandbox-init: ...`` on stderr means the sandbox could not be set up (the
+program did not run: fail closed).
 """
 
 import ctypes
 import json
 import os
+import platform
 import resource
+import select
+import shutil
 import signal
 import sys
 
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_REMOUNT = 32
-MS_BIND = 4096
-MS_REC = 16384
-MS_NOATIME = 1024
-MS_NODIRATIME = 2048
-MS_RELATIME = 1 << 21
-PR_SET_PDEATHSIG = 1
-PR_SET_NO_NEW_PRIVS = 38
-_FLAG_NAMES = {
-    "nosuid": MS_NOSUID,
-    "nodev": MS_NODEV,
-    "noexec": MS_NOEXEC,
-    "noatime": MS_NOATIME,
-    "nodiratime": MS_NODIRATIME,
-    "relatime": MS_RELATIME,
-}
-# Pseudo file systems whose read-only remount is pointless or refused; nobody cannot
-# write through them anyway (and /proc is the fresh one of the new PID namespace).
-_SKIP_FSTYPES = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "bpf",
-                 "tracefs", "debugfs", "securityfs", "pstore", "configfs", "fusectl",
-                 "binfmt_misc", "autofs", "hugetlbfs", "efivarfs"}
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
+SECCOMP_MODE_FILTER = 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219}}
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 def _die(msg):
@@ -61,48 +60,74 @@ def _die(msg):
     os._exit(126)
 
 
-def _mount(src, target, flags):
-    if _libc.mount(src, target.encode(), None, ctypes.c_ulong(flags), None) != 0:
+def _check(rc, what):
+    if rc != 0:
         err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), target)
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
 
 
-def _unescape(path):
-    # mountinfo escapes space, tab, newline and backslash as octal.
-    return (path.replace("\\040", " ").replace("\\011", "\t")
-            .replace("\\012", "\n").replace("\\134", "\\"))
+def _mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           "mount %s on %s" % (src or fstype, target))
 
 
-def _mounts():
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            fstype = right.split()[0]
-            yield _unescape(fields[4]), fields[5].split(","), fstype
+def _syscall(name, *args):
+    _check(0 if _libc.syscall(_SYSCALLS[platform.machine()][name], *args) >= 0 else -1, name)
 
 
-def _remount_all_readonly(workdir):
-    _mount(workdir.encode(), workdir, MS_BIND | MS_REC)
-    for mountpoint, opts, fstype in _mounts():
-        if mountpoint == workdir or fstype in _SKIP_FSTYPES:
-            continue
-        # Keep the existing per-mount flags: in a user namespace they are locked and
-        # dropping one makes the remount fail with EPERM.
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for opt in opts:
-            flags |= _FLAG_NAMES.get(opt, 0)
-        try:
-            _mount(None, mountpoint, flags)
-        except OSError as e:
-            if not os.path.exists(mountpoint):  # stale/overmounted entry
-                continue
-            _die("cannot remount %s read-only: %s" % (mountpoint, e))
+def _arm_death_signal(parent_alive):
+    """SIGKILL us when our parent dies; exit now if it already did (the signal would never come)."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0), "prctl(PDEATHSIG)")
+    if not parent_alive():
+        os._exit(137)
 
 
-def _set_rlimits(limits):
-    for name, value in limits.items():
-        resource.setrlimit(getattr(resource, name), (value, value))
+def _pipe_open(fd):
+    """The parent holds the write end: end of file (or an error) on ``fd`` means it is gone."""
+    return lambda: not select.select([fd], [], [], 0)[0]
+
+
+def _bind(source, target, kind, readonly):
+    if kind == "symlink":
+        os.symlink(source, target)
+        return
+    if kind == "dir":
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    _mount(source, target, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_RDONLY | MS_NODEV if readonly else 0)
+    _mount(None, target, None, flags)
+
+
+def _build_root(cfg):
+    """The minimal root on a tmpfs at ``cfg['root']``; returns nothing, raises OSError."""
+    root, uid = cfg["root"], cfg["uid"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV,
+           "size=%d,nr_inodes=%d,mode=755" % (cfg["disk_bytes"], cfg["inodes"]))
+    inside = lambda path: root + path  # noqa: E731  (absolute paths only)
+    for source, kind in cfg["binds"]:
+        _bind(os.readlink(source) if kind == "symlink" else source, inside(source), kind, readonly=True)
+    for dev in cfg["devices"]:
+        _bind(dev, inside(dev), "file", readonly=False)
+    for folder in ("/tmp", "/dev/shm"):
+        os.makedirs(inside(folder), exist_ok=True)
+        os.chmod(inside(folder), 0o1777)
+    work = inside(cfg["workdir"])
+    os.makedirs(work, mode=0o755, exist_ok=True)
+    os.chmod(work, 0o700)
+    shutil.copyfile(cfg["source"], os.path.join(work, "main.py"))
+    for path in (work, os.path.join(work, "main.py")):
+        os.chown(path, uid, cfg["gid"])
+    os.makedirs(inside("/proc"), exist_ok=True)
+    _mount("proc", inside("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    _syscall("pivot_root", b".", b".")  # the old root now sits under the new one at "."
+    _check(_libc.umount2(b".", MNT_DETACH), "umount2(old root)")
+    os.chdir("/")
 
 
 def _drop_privileges(uid, gid):
@@ -115,22 +140,69 @@ def _drop_privileges(uid, gid):
         _die("privilege drop failed")
 
 
+def _install_seccomp(program_hex):
+    program = bytes.fromhex(program_hex)
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
+
+
+def _set_rlimits(limits):
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def _exec_program(cfg, parent_alive):
+    """Steps 3-4 (in the namespaces when isolating); never returns."""
+    os.chdir(cfg["workdir"])
+    _drop_privileges(cfg["uid"], cfg["gid"])
+    if cfg["isolate"]:
+        _syscall("keyctl", KEYCTL_JOIN_SESSION_KEYRING, None)  # fresh, anonymous: no trainer keys
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _arm_death_signal(parent_alive)  # cleared by the uid change
+    _set_rlimits(cfg["rlimits"])
+    if cfg["seccomp"]:
+        _install_seccomp(cfg["seccomp"])
+    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+
+
+def _wait_and_pass_on(pid):
+    """Wait for the namespace init and exit as it did (a signal is re-raised on ourselves)."""
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
-    workdir = cfg["workdir"]
     try:
-        if cfg.get("remount_ro"):
-            _remount_all_readonly(workdir)
-        os.chdir(workdir)
-        _drop_privileges(cfg["uid"], cfg["gid"])
-        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            _die("prctl(NO_NEW_PRIVS) failed")
-        if cfg.get("pdeathsig"):
-            _libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-            if os.getppid() == 1 and os.getpid() != 1:
-                os._exit(137)  # our parent already died: do not run unsupervised
-        _set_rlimits(cfg["rlimits"])
-        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+        _arm_death_signal(lambda: os.getppid() == cfg["parent_pid"])
+        if not cfg["isolate"]:
+            _exec_program(cfg, lambda: os.getppid() == cfg["parent_pid"])
+        try:
+            _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID),
+                   "unshare")
+        except OSError as e:
+            _die("cannot create the mount/network/IPC/UTS/PID namespaces (%s): needs CAP_SYS_ADMIN "
+                 "and a seccomp profile that allows unshare" % e)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid:
+            os.close(read_end)
+            _wait_and_pass_on(pid)
+        os.close(write_end)
+        parent_alive = _pipe_open(read_end)
+        _arm_death_signal(parent_alive)
+        _build_root(cfg)
+        _exec_program(cfg, parent_alive)
     except OSError as e:
         _die("setup failed: %s" % e)
 

@@ -32,7 +32,9 @@ def normalize_output(text: str) -> str:
 
 
 def _compiles(source: str) -> bool:
-    # A syntax error fails every test: no need to spawn a process per test to learn that.
+    """Whether ``source`` compiles. A syntax error fails every test: no need to spawn a process per
+    test to learn that. Anything else ``compile`` raises (RecursionError on a 6 KB ``x=1+1+...``,
+    MemoryError) propagates: the caller scores that item alone as an error."""
     try:
         compile(source, "main.py", "exec")
         return True
@@ -40,26 +42,55 @@ def _compiles(source: str) -> bool:
         return False
 
 
-def _jobs(responses: Sequence[str], samples: Sequence[dict]) -> tuple[list[tuple[int, Program, str]], list[int]]:
-    """Flatten to (response index, program, expected output); also tests per response."""
-    jobs, n_tests = [], []
+def _tests_of(sample: dict) -> list[tuple[str, str]]:
+    """``sample["tests"]`` as (stdin, expected stdout) pairs; ValueError naming what is wrong."""
+    tests = sample.get("tests") if isinstance(sample, dict) else None
+    if not isinstance(tests, list):
+        raise ValueError(f"code reward: the row has no 'tests' list (got {type(tests).__name__})")
+    pairs = []
+    for k, test in enumerate(tests):
+        if not isinstance(test, dict) or "input" not in test or "output" not in test:
+            raise ValueError(f"code reward: tests[{k}] is not an object with 'input' and 'output'")
+        pairs.append((str(test["input"]), str(test["output"])))
+    return pairs
+
+
+def _jobs(responses: Sequence[str], samples: Sequence[dict]
+          ) -> tuple[list[tuple[int, Program, str]], list[int], dict[int, Exception]]:
+    """Flatten to (response index, program, expected output); also tests per response and the
+    items that cannot be scored at all (a malformed row, a program ``compile`` chokes on) with their
+    error: each of those scores alone as an error, the rest of the batch runs."""
+    jobs, n_tests, errors = [], [], {}
     for i, (response, sample) in enumerate(zip(responses, samples)):
-        tests = sample["tests"]
-        n_tests.append(len(tests))
-        source = extract_program(response)
-        if source is None or not _compiles(source):
+        try:
+            tests = _tests_of(sample)
+            source = extract_program(response)
+            runnable = source is not None and _compiles(source)
+        except Exception as e:  # noqa: BLE001 - this item's error, not the batch's
+            errors[i] = e
+            n_tests.append(0)
             continue
-        for test in tests:
-            jobs.append((i, Program(source, str(test["input"])), str(test["output"])))
-    return jobs, n_tests
+        n_tests.append(len(tests))
+        if runnable:
+            jobs.extend((i, Program(source, stdin), expected) for stdin, expected in tests)
+    return jobs, n_tests, errors
 
 
 def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
                       timeout_s: float = 5.0, memory_mb: int = 1024, partial: bool = False,
-                      max_workers: int | None = None) -> list[float | BaseException]:
-    """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool."""
-    jobs, n_tests = _jobs(responses, samples)
-    partial_of = [bool(s.get("partial", partial)) for s in samples]
+                      max_workers: int | None = None, allow_unsafe_sandbox: bool = False,
+                      uid_base: int = 61000) -> list[float | BaseException]:
+    """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool. A malformed
+    row or a program that breaks the compile check is returned as that item's exception.
+
+    Raises:
+        SandboxUnavailableError: isolation cannot be had here and ``allow_unsafe_sandbox`` is off.
+    """
+    sandbox = CodeSandbox(max_workers=max_workers, allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base)
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
+    sandbox.backend  # refuse (SandboxUnavailableError) before looking at any response
+    jobs, n_tests, errors = _jobs(responses, samples)
+    partial_of = [bool(s.get("partial", partial)) if isinstance(s, dict) else partial for s in samples]
     failed: set[int] = set()
     lock = threading.Lock()
 
@@ -79,10 +110,9 @@ def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
             elif not result.skipped:
                 failed.add(i)
 
-    sandbox = CodeSandbox(max_workers=max_workers)
-    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
     sandbox.run_many([p for _, p, _ in jobs], limits, should_run=should_run, on_result=on_result)
-    return [_score(passed[i], n_tests[i], partial_of[i]) for i in range(len(responses))]
+    return [errors[i] if i in errors else _score(passed[i], n_tests[i], partial_of[i])
+            for i in range(len(responses))]
 
 
 def _score(passed: int, total: int, partial: bool) -> float:
@@ -93,17 +123,29 @@ def _score(passed: int, total: int, partial: bool) -> float:
 
 @register_reward("code")
 def code_reward(response: str, sample: dict, *, timeout_s: float = 5.0, memory_mb: int = 1024,
-                partial: bool = False, max_workers: int | None = None) -> float:
+                partial: bool = False, max_workers: int | None = None, allow_unsafe_sandbox: bool = False,
+                uid_base: int = 61000) -> float:
     """Score one response: run its last python block on ``sample["tests"]``.
 
     Args:
         timeout_s: wall-clock limit per test run in seconds.
-        memory_mb: address-space limit per run in MiB.
+        memory_mb: memory of each test run's whole process tree in MiB (see ``SandboxLimits``).
         partial: fraction of passed tests instead of all-or-nothing.
         max_workers: parallel test runs (default ``os.cpu_count()``).
+        allow_unsafe_sandbox: where the isolated sandbox cannot be had (no root / CAP_SYS_ADMIN),
+            run programs with rlimits only, warned once, instead of refusing. Trusted data only.
+        uid_base: first uid of the sandbox's per-rank uid ranges (none may be a real user's).
+
+    Raises:
+        SandboxUnavailableError: isolation cannot be had and ``allow_unsafe_sandbox`` is off.
+        ValueError: the row has no valid ``tests``.
     """
-    return code_reward_batch([response], [sample], timeout_s=timeout_s, memory_mb=memory_mb,
-                             partial=partial, max_workers=max_workers)[0]  # type: ignore[return-value]
+    value = code_reward_batch([response], [sample], timeout_s=timeout_s, memory_mb=memory_mb, partial=partial,
+                              max_workers=max_workers, allow_unsafe_sandbox=allow_unsafe_sandbox,
+                              uid_base=uid_base)[0]
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 code_reward.batch_fn = code_reward_batch  # type: ignore[attr-defined]

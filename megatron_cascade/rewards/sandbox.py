@@ -1,48 +1,48 @@
 """Process sandbox for running untrusted (model-written) programs.
 
-Isolation layers, strongest available first (detected once, on first use, and logged):
+Isolated mode (the only one the code reward uses unless its config allows the unsafe one):
+each program runs under :mod:`._sandbox_init`, which, as root, gives it
 
-``namespaces`` (needs ``unshare`` from util-linux, present on every Debian/Ubuntu, and
-root or unprivileged user namespaces):
-    ``unshare --net --pid --fork --kill-child --mount --mount-proc`` starts a small
-    launcher (:mod:`._sandbox_init`) that remounts every mount read-only inside the
-    private mount namespace except the program's private work dir, applies rlimits,
-    drops to an unprivileged uid, sets ``no_new_privs`` and execs the program.
-    Consequences: no network at all (fresh net namespace, only a downed loopback), the
-    program only sees its own processes (``/proc`` of the new PID namespace; it cannot
-    signal the parent or the trainer), every process it spawns -- including double-forked
-    ``setsid`` daemons -- is SIGKILLed by the kernel when the namespace's init (the
-    program) dies, and nothing outside the work dir is writable, not even world-writable
-    ``/tmp`` or ``/dev/shm``.
-    As root the program runs as a dedicated uid per pool slot (``uid_base + slot``, no
-    passwd entry needed) so that ``RLIMIT_NPROC`` (counted per uid) caps a fork bomb
-    without starving the other programs running in parallel. Without root, a user
-    namespace (``--user --map-root-user``) is used instead and the uid is not changed.
+* **a minimal root**: a tmpfs holding read-only bind mounts of the interpreter and the system
+  libraries only (``/usr/lib``, ``/lib*``, the stdlib), five ``/dev`` nodes, a fresh ``/proc``,
+  and its writable work dir and ``/tmp``; the host's file system is detached (``pivot_root``), so
+  host data -- a reward's hidden tests, other programs' files, sockets -- does not exist for it;
+* **fresh namespaces**: mount, network (only a downed loopback: no network, no abstract Unix
+  sockets), IPC (SysV/POSIX objects die with it and host ones are invisible), UTS and PID (it
+  sees only its own processes; it is the namespace's init, so all it started dies with it);
+* **a fresh session keyring** and **a seccomp filter** (:mod:`._sandbox_seccomp`: keyctl, ptrace,
+  mount, bpf, unshare/setns, perf, io_uring, ... fail with EPERM; no user namespaces);
+* **its own uid**, leased per program from a per-rank range (``uid_base + LOCAL_RANK x
+  uids_per_rank``), each uid checked to be absent from the user and group databases and held
+  with a ``flock`` so that no two programs of the node -- any rank, any process -- share it;
+  ``no_new_privs``;
+* **limits on the whole tree**, cgroup-free: ``RLIMIT_NPROC`` = ``max_processes`` counts every
+  process and thread of its uid, and ``RLIMIT_AS`` = ``memory_mb / max_processes`` per process,
+  so the tree's total address space stays under ``memory_mb``; the work dir and ``/tmp`` share one
+  tmpfs of ``max_disk_mb`` (plus ``RLIMIT_FSIZE`` per file), so the tree holds at most
+  ``memory_mb + max_disk_mb`` of memory;
+* **death with the trainer**: ``PR_SET_PDEATHSIG`` on the launcher, the namespace init and
+  the program (re-armed after every uid change), each checking that its parent still lives;
+  and a wall-clock timeout after which the whole tree is SIGKILLed.
 
-``rlimits`` fallback (a WARNING is logged once), used when no namespace can be created:
-    new session (``setsid``), rlimits, privilege drop if we are root, private work dir as
-    cwd/HOME/TMPDIR, scrubbed environment, kill of the process group on timeout plus a
-    psutil scan for escaped descendants (same uid). Not protected: network access, writes
-    to world-writable directories, and a daemon that escapes the process group *and* is
-    re-parented before the scan may survive. Do not use this mode for untrusted code in
-    production: install util-linux (``unshare``) or run as root.
-
-Bubblewrap (``bwrap``) is not required: ``unshare`` + the launcher provide the same
-guarantees and util-linux is part of the base system.
-
-Always applied: ``RLIMIT_CPU`` (timeout + 1 s), ``RLIMIT_AS`` (memory), ``RLIMIT_NPROC``
-(only when a dedicated uid is used; per-uid counting would otherwise include the caller's
-own processes), ``RLIMIT_FSIZE`` (also caps stdout/stderr, which go to files),
-``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0; and a wall-clock timeout after which the whole
-process tree is SIGKILLed (session process group + the namespace init).
+It needs root with CAP_SYS_ADMIN, CAP_SETUID, CAP_SETGID and CAP_CHOWN on x86_64 or aarch64
+Linux (a privileged container). Where that cannot be had, :class:`CodeSandbox` raises
+:class:`SandboxUnavailableError` naming what is missing (fail closed) unless it was built with
+``allow_unsafe=True`` (the code reward's ``allow_unsafe_sandbox``), which warns once and falls back
+to the unsafe mode: rlimits, a scrubbed environment, a private work dir and, as root, the
+per-program uid -- no file-system, network, IPC or keyring isolation.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import grp
 import json
 import logging
 import os
+import platform
+import pwd
 import shutil
 import signal
 import stat
@@ -57,33 +57,66 @@ from typing import Callable, Sequence
 
 import psutil
 
+from megatron_cascade.rewards import _sandbox_seccomp
+
 logger = logging.getLogger(__name__)
 
 _LAUNCHER_SOURCE_PATH = os.path.join(os.path.dirname(__file__), "_sandbox_init.py")
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _REAP_TIMEOUT_S = 5.0  # how long to wait for a SIGKILLed tree to be reaped
+_UID_WAIT_S = 600.0  # how long a program waits for a free uid of its rank's range
+_MIN_PROCESS_MB = 24  # address space a Python process needs to start (VmPeak ~14 MiB)
+_SYSTEM_LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32",
+                        "/libx32")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# Capabilities the launcher uses: namespaces/mounts, the uid and gid drop, the work dir's owner.
+_NEEDED_CAPS = {"CAP_SYS_ADMIN": 21, "CAP_SETUID": 7, "CAP_SETGID": 6, "CAP_CHOWN": 0}
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The isolated sandbox cannot run here (or its uid range is unusable); the message says why."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits for one program.
+    """Resource limits for one program and everything it starts.
 
     Attributes:
         timeout_s: wall-clock limit in seconds; the process tree is killed after it.
-        memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
-        max_processes: ``RLIMIT_NPROC`` (processes/threads of the sandbox uid).
+        memory_mb: memory of the whole process tree in MiB: each process gets an address-space
+            limit (``RLIMIT_AS``) of ``memory_mb / max_processes``.
+        max_processes: processes and threads of the tree (``RLIMIT_NPROC`` of its own uid).
         max_file_mb: largest file the program may write (``RLIMIT_FSIZE``) in MiB; also
             caps its stdout and stderr.
+        max_disk_mb: size in MiB of the tmpfs holding its work dir, ``/tmp`` and ``/dev/shm``.
         max_open_files: ``RLIMIT_NOFILE``.
         max_output_bytes: bytes of stdout/stderr read back.
     """
 
     timeout_s: float = 5.0
     memory_mb: int = 1024
-    max_processes: int = 64
+    max_processes: int = 4
     max_file_mb: int = 16
+    max_disk_mb: int = 64
     max_open_files: int = 64
     max_output_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        for name in ("memory_mb", "max_processes", "max_file_mb", "max_disk_mb", "max_open_files",
+                     "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.memory_mb // self.max_processes < _MIN_PROCESS_MB:
+            raise ValueError(f"memory_mb / max_processes = {self.memory_mb} / {self.max_processes} MiB is below "
+                             f"the {_MIN_PROCESS_MB} MiB a Python process needs: raise memory_mb")
+
+    @property
+    def process_memory_bytes(self) -> int:
+        """``RLIMIT_AS`` of each process (bytes)."""
+        return (self.memory_mb << 20) // self.max_processes
 
 
 @dataclass(frozen=True)
@@ -111,108 +144,241 @@ class SandboxResult:
         return self.returncode == 0 and not self.timed_out and not self.skipped
 
 
-@dataclass(frozen=True)
-class _Backend:
-    name: str  # "namespaces" or "rlimits"
-    prefix: tuple[str, ...] = ()
-    drop_uid: bool = False
-    remount_ro: bool = False
-
-
 @functools.lru_cache(maxsize=1)
 def _launcher_source() -> str:
     with open(_LAUNCHER_SOURCE_PATH, encoding="utf-8") as f:
         return f.read()
 
 
-def _is_root() -> bool:
-    return os.geteuid() == 0
+# -- what the isolated mode needs, and whether it works here ------------------------------------------------------
 
 
-def _unshare_prefix(unshare: str, user_ns: bool) -> tuple[str, ...]:
-    user = ("--user", "--map-root-user") if user_ns else ()
-    return (unshare, *user, "--net", "--pid", "--fork", "--kill-child", "--mount",
-            "--mount-proc", "--")
+def _missing_capabilities() -> list[str]:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("CapEff:"))
+    effective = int(line.split()[1], 16)
+    return [name for name, bit in _NEEDED_CAPS.items() if not effective >> bit & 1]
 
 
-def _candidate_backends() -> list[_Backend]:
-    candidates = []
-    unshare = shutil.which("unshare", path=os.environ.get("PATH", "") + ":" + _SAFE_PATH)
-    if unshare:
-        root = _is_root()
-        candidates.append(_Backend("namespaces", _unshare_prefix(unshare, not root),
-                                   drop_uid=root, remount_ro=True))
-    candidates.append(_Backend("rlimits", (), drop_uid=_is_root(), remount_ro=False))
-    return candidates
+@functools.lru_cache(maxsize=None)
+def _interpreter_binds(python: str) -> tuple[tuple[str, str], ...]:
+    """Host paths the programs' root gets read-only, as ``(path, "dir" | "file" | "symlink")``.
 
-
-_backend_lock = threading.Lock()
-_backend: _Backend | None = None
-
-
-def detect_backend(python: str | None = None) -> str:
-    """Probe (once per process) the strongest working isolation; returns its name.
-
-    Each candidate is tried with a real trivial program. The result is logged at INFO,
-    or at WARNING when only the ``rlimits`` fallback works.
+    The system library folders (the interpreter's shared libraries and, on distribution Pythons,
+    the stdlib), the linker cache, the interpreter binary and its stdlib / shared-library folders.
     """
-    return _get_backend(python or program_python()).name
+    query = ("import json, os, sys, sysconfig\n"
+             "v = sysconfig.get_config_var\n"
+             "paths = [sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib')]\n"
+             "paths += [v('LIBDIR')] if v('Py_ENABLE_SHARED') else []\n"
+             "print(json.dumps([os.path.realpath(sys.executable), [os.path.realpath(p) for p in paths if p]]))")
+    out = subprocess.run([python, "-I", "-S", "-c", query], capture_output=True, text=True, timeout=60, check=True)
+    executable, folders = json.loads(out.stdout)
+    binds: list[tuple[str, str]] = []
+    for path in _SYSTEM_LIBRARY_DIRS:
+        if os.path.islink(path):
+            binds.append((path, "symlink"))
+        elif os.path.isdir(path):
+            binds.append((path, "dir"))
+    dirs = [p for p, kind in binds if kind == "dir"]
+    covered = lambda path: any(path == d or path.startswith(d + "/") for d in dirs)  # noqa: E731
+    for folder in folders:
+        if os.path.isdir(folder) and not covered(folder):
+            binds.append((folder, "dir"))
+            dirs.append(folder)
+    for path, kind in ((executable, "file"), ("/etc/ld.so.cache", "file")):
+        if os.path.isfile(path) and not covered(path):
+            binds.append((path, kind))
+    return tuple(sorted(binds))
 
 
-def _get_backend(python: str) -> _Backend:
-    global _backend
-    with _backend_lock:
-        if _backend is None:
-            _backend = _probe_backends(python)
-        return _backend
+_PROBE = """import json, os, socket
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+print(json.dumps({"ifs": [n for _, n in socket.if_nameindex()], "uid": os.getuid(),
+                  "seccomp": status["Seccomp"].strip(), "nnp": status["NoNewPrivs"].strip(),
+                  "root": sorted(os.listdir("/")), "cwd_writable": os.access(".", os.W_OK)}))
+"""
 
 
-def _probe_backends(python: str) -> _Backend:
-    for backend in _candidate_backends():
-        if backend.name == "rlimits":
-            logger.warning(
-                "code sandbox: no namespace isolation available (unshare missing or not "
-                "permitted); using rlimits-only fallback: NO network isolation and no "
-                "read-only file system. Install util-linux / run as root for full isolation.")
-            return backend
-        box = CodeSandbox(python=python, _backend=backend)
-        # Isolated = the program sees no network interface but loopback (its own namespace's).
-        # Asked of the kernel, not by sending traffic anywhere.
-        probe = "import socket\nnames = [n for _, n in socket.if_nameindex()]\n" \
-                "print('isolated' if names == ['lo'] else names)\n"
-        res = box.run(Program(probe), SandboxLimits(timeout_s=10))
-        if res.ok and res.stdout.strip() == "isolated":
-            logger.info("code sandbox: using %s backend (%s)", backend.name,
-                        " ".join(backend.prefix[:-1]))
-            return backend
-        logger.info("code sandbox: backend %s unusable (rc=%s): %s", backend.name,
-                    res.returncode, res.stderr.strip()[-300:])
-    raise AssertionError("unreachable: rlimits backend is always a candidate")
+def _probe_failure(result: SandboxResult, workdir_top: str) -> str | None:
+    """Why the probe's view from inside is not the isolated one (None when it is)."""
+    if not result.ok:
+        return f"the isolation probe failed (exit {result.returncode}): {result.stderr.strip()[-500:]}"
+    seen = json.loads(result.stdout)
+    allowed_root = {os.path.basename(p) for p in _SYSTEM_LIBRARY_DIRS} | {"usr", "etc", "dev", "proc", "tmp",
+                                                                          workdir_top}
+    checks = {"network namespace (only lo)": seen["ifs"] == ["lo"], "own uid": seen["uid"] != 0,
+              "seccomp filter": seen["seccomp"] == "2", "no_new_privs": seen["nnp"] == "1",
+              "minimal root": set(seen["root"]) <= allowed_root, "writable work dir": seen["cwd_writable"]}
+    failed = [name for name, ok in checks.items() if not ok]
+    return f"the isolation probe saw no {', '.join(failed)}: {seen}" if failed else None
 
 
-def _rlimits(limits: SandboxLimits, cap_nproc: bool) -> dict[str, int]:
-    mib = 1 << 20
-    out = {
-        "RLIMIT_CPU": int(limits.timeout_s) + 1,
-        "RLIMIT_AS": limits.memory_mb * mib,
-        "RLIMIT_FSIZE": limits.max_file_mb * mib,
-        "RLIMIT_NOFILE": limits.max_open_files,
-        "RLIMIT_CORE": 0,
-    }
-    if cap_nproc:
-        out["RLIMIT_NPROC"] = limits.max_processes
-    return out
+_isolation_lock = threading.Lock()
+_isolation_problems: dict[str, str | None] = {}
 
 
-def _kill_tree(proc: subprocess.Popen, uid: int | None) -> None:
+def isolation_problem(python: str) -> str | None:
+    """What keeps the isolated mode from working here (None: it works); probed once per process.
+
+    Checked: root, the capabilities the launcher uses, a seccomp syscall table for this machine,
+    then a real probe program through the whole launcher, asked from inside what it sees.
+    """
+    with _isolation_lock:
+        if python not in _isolation_problems:
+            _isolation_problems[python] = _find_isolation_problem(python)
+            if _isolation_problems[python] is None:
+                logger.info("code sandbox: isolated mode works (minimal root, namespaces, seccomp, own uids)")
+        return _isolation_problems[python]
+
+
+def _find_isolation_problem(python: str) -> str | None:
+    if os.geteuid() != 0:
+        return (f"the trainer does not run as root (euid {os.geteuid()}): the sandbox needs root to build "
+                "namespaces and run each program under its own uid")
+    missing = _missing_capabilities()
+    if missing:
+        return f"the trainer lacks {', '.join(missing)} (Docker drops CAP_SYS_ADMIN by default)"
+    if platform.machine() not in _sandbox_seccomp.supported_machines():
+        return (f"no seccomp syscall table for this machine ({platform.machine()}; supported: "
+                f"{', '.join(_sandbox_seccomp.supported_machines())})")
+    try:
+        result = CodeSandbox(python=python, _backend="isolated").run(Program(_PROBE), SandboxLimits(timeout_s=30))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the isolation probe could not start: {e}"
+    return _probe_failure(result, tempfile.gettempdir().strip("/").split("/")[0])
+
+
+def _refusal(problem: str) -> str:
+    return (f"code sandbox unavailable: {problem}. Isolation needs root with CAP_SYS_ADMIN, CAP_SETUID, "
+            "CAP_SETGID and CAP_CHOWN on x86_64/aarch64 Linux, with unshare and mount allowed (a privileged "
+            "container, or docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined). Refusing to run "
+            "model-written programs without it. To run them unisolated anyway (trusted data only), set the code "
+            "reward's `kwargs: {allow_unsafe_sandbox: true}`.")
+
+
+_unsafe_warned = threading.Event()
+
+
+def _warn_unsafe_once(problem: str) -> None:
+    if not _unsafe_warned.is_set():
+        _unsafe_warned.set()
+        logger.warning("code sandbox: UNSAFE mode (allow_unsafe_sandbox) because %s. Model-written programs run "
+                       "with rlimits only: they can read the host's files (including reward test data), reach "
+                       "the network and IPC, and may outlive the trainer.", problem)
+
+
+# -- per-program uids ----------------------------------------------------------------------------------------------
+
+
+def _local_rank() -> int:
+    raw = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise SandboxUnavailableError(f"LOCAL_RANK={raw!r} is not an integer: cannot pick this rank's sandbox "
+                                      "uid range") from None
+    if rank < 0:
+        raise SandboxUnavailableError(f"LOCAL_RANK={rank} is negative: cannot pick this rank's sandbox uid range")
+    return rank
+
+
+@functools.lru_cache(maxsize=1)
+def _lock_dir() -> str:
+    """A root-only folder for the uid lease files (shared by every process of the node)."""
+    base = "/run" if os.path.isdir("/run") and os.access("/run", os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(base, "megatron-cascade-sandbox-uids")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise SandboxUnavailableError(f"{path} (the sandbox's uid lease folder) must be a folder owned by uid "
+                                      f"{os.geteuid()} with mode 0700; remove it and retry")
+    return path
+
+
+class _UidLeases:
+    """Leases uids of this rank's range, one program per uid across every process of the node."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._checked: set[int] = set()
+
+    def acquire(self, uid_base: int, uids_per_rank: int) -> tuple[int, int]:
+        """A free uid of the range ``uid_base + LOCAL_RANK * uids_per_rank ...`` and its lock's fd;
+        waits while all of them are busy."""
+        rank = _local_rank()
+        first = uid_base + rank * uids_per_rank
+        deadline = time.monotonic() + _UID_WAIT_S
+        while True:
+            for uid in range(first, first + uids_per_rank):
+                with self._lock:
+                    if uid in self._held:
+                        continue
+                    self._held.add(uid)
+                fd = self._try_lock(uid, uid_base, rank, uids_per_rank)
+                if fd is not None:
+                    return uid, fd
+                with self._lock:
+                    self._held.discard(uid)
+            if time.monotonic() > deadline:
+                raise SandboxUnavailableError(f"no free sandbox uid in {first}..{first + uids_per_rank - 1} for "
+                                              f"{_UID_WAIT_S:.0f} s: raise uids_per_rank")
+            time.sleep(0.005)
+
+    def release(self, uid: int, fd: int) -> None:
+        os.close(fd)  # drops the flock
+        with self._lock:
+            self._held.discard(uid)
+
+    def _try_lock(self, uid: int, uid_base: int, rank: int, uids_per_rank: int) -> int | None:
+        if uid not in self._checked:
+            try:
+                _check_unused_uid(uid, uid_base, rank, uids_per_rank)
+            except SandboxUnavailableError:
+                with self._lock:
+                    self._held.discard(uid)
+                raise
+            self._checked.add(uid)
+        fd = os.open(os.path.join(_lock_dir(), str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+
+
+def _check_unused_uid(uid: int, uid_base: int, rank: int, uids_per_rank: int) -> None:
+    """Refuse a uid (or equal gid) that the user or group database knows: a real account's files
+    and processes would be the program's."""
+    where = (f"sandbox uid {uid} (uid_base {uid_base} + LOCAL_RANK {rank} x uids_per_rank {uids_per_rank} + "
+             "slot)")
+    for db, lookup in (("user", lambda: pwd.getpwuid(uid).pw_name), ("group", lambda: grp.getgrgid(uid).gr_name)):
+        try:
+            name = lookup()
+        except KeyError:
+            continue
+        raise SandboxUnavailableError(f"{where} is {db} {name!r} in the {db} database: set the code reward's "
+                                      "kwargs.uid_base to a free range")
+    if uid >= 2**32 - 2:
+        raise SandboxUnavailableError(f"{where} is past the largest uid: lower kwargs.uid_base")
+
+
+_UIDS = _UidLeases()
+
+
+def _kill_tree(proc: subprocess.Popen, isolate: bool, uid: int | None) -> None:
     """SIGKILL the program's whole tree and wait until it is gone.
 
-    The namespace init (the program) is killed first and ``unshare`` is left alive to
-    reap it: the kernel only lets the init finish exiting once every other process of its
-    PID namespace is dead, so ``unshare`` exiting means the namespace is empty. Then the
-    session group is killed (covers the rlimits backend and a stuck ``unshare``) and, for
-    a dedicated uid, any process still running as that uid.
+    Isolated: the namespace init (the program) and its tree are killed and the launcher is left
+    alive to reap it: the kernel only lets the init finish exiting once every other process of
+    its PID namespace is dead, so the launcher exiting means the namespace is empty. Unsafe: the
+    launcher *is* the program (it exec'd), so its session group goes first. Then the session
+    group is killed (a stuck launcher) and, for a dedicated uid, any process still running as it.
     """
+    if not isolate:
+        _quiet_killpg(proc.pid)
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
@@ -273,29 +439,6 @@ def _read_capped(path: str, limit: int) -> str:
         return f.read(limit).decode("utf-8", errors="replace")
 
 
-class _SlotPool:
-    """Hands out pool-slot indices so concurrent programs get distinct uids."""
-
-    def __init__(self) -> None:
-        self._free: list[int] = []
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def acquire(self) -> int:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            self._next += 1
-            return self._next - 1
-
-    def release(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-
-_SLOTS = _SlotPool()
-
-
 def _runnable_by_anyone(path: str) -> bool:
     """Whether an unprivileged uid can exec ``path``: every folder on the way o+x, the file o+rx."""
     real = os.path.realpath(path)
@@ -334,34 +477,64 @@ class CodeSandbox:
 
     Args:
         python: interpreter used for the programs (default: ``program_python()``).
-        uid_base: first uid used for programs when running as root (slot i -> base + i).
+        uid_base: first uid of rank 0's range; rank ``r`` (``LOCAL_RANK``) uses
+            ``uid_base + r * uids_per_rank`` ... ``+ uids_per_rank - 1``. None of them may be in
+            the user or group database.
+        uids_per_rank: uids per rank = programs of one rank running at once (more wait).
         max_workers: pool size of :meth:`run_many` (default ``os.cpu_count()``).
+        allow_unsafe: where isolation cannot be had, run with rlimits only (warned once)
+            instead of raising :class:`SandboxUnavailableError`.
     """
 
     python: str = field(default_factory=program_python)
     uid_base: int = 61000
+    uids_per_rank: int = 256
     max_workers: int | None = None
-    _backend: _Backend | None = None
+    allow_unsafe: bool = False
+    _backend: str | None = None  # "isolated" or "unsafe": skips the probe (tests, the probe itself)
+
+    def __post_init__(self) -> None:
+        for name in ("uid_base", "uids_per_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "uids_per_rank" else 0):
+                raise ValueError(f"{name} must be a {'positive' if name == 'uids_per_rank' else 'non-negative'} "
+                                 f"integer, got {value!r}")
 
     @property
     def backend(self) -> str:
-        """Name of the isolation backend in use (``namespaces`` or ``rlimits``)."""
-        return self._resolve_backend().name
+        """``isolated``, or ``unsafe`` where allowed and isolation cannot be had (may raise
+        :class:`SandboxUnavailableError`)."""
+        return self._resolve_backend()
 
-    def _resolve_backend(self) -> _Backend:
-        return self._backend or _get_backend(self.python)
+    def require_isolation(self) -> None:
+        """Raise :class:`SandboxUnavailableError` (what is missing) unless the isolated mode works."""
+        problem = isolation_problem(self.python)
+        if problem is not None:
+            raise SandboxUnavailableError(_refusal(problem))
+
+    def _resolve_backend(self) -> str:
+        if self._backend is not None:
+            return self._backend
+        problem = isolation_problem(self.python)
+        if problem is None:
+            return "isolated"
+        if not self.allow_unsafe:
+            raise SandboxUnavailableError(_refusal(problem))
+        _warn_unsafe_once(problem)
+        return "unsafe"
 
     def run(self, program: Program, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-        """Run one program; never raises for anything the program does."""
+        """Run one program; never raises for anything the program does (raises
+        :class:`SandboxUnavailableError` when it may not run at all)."""
         backend = self._resolve_backend()
-        slot = _SLOTS.acquire()
-        uid = self.uid_base + slot if backend.drop_uid else None
+        lease = _UIDS.acquire(self.uid_base, self.uids_per_rank) if os.geteuid() == 0 else None
         root = tempfile.mkdtemp(prefix="mc-sandbox-")
         try:
-            return self._run_in(root, program, limits, backend, uid)
+            return self._run_in(root, program, limits, backend == "isolated", lease[0] if lease else None)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-            _SLOTS.release(slot)
+            if lease is not None:
+                _UIDS.release(*lease)
 
     def run_many(self, programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(),
                  should_run: Callable[[int], bool] | None = None,
@@ -374,7 +547,7 @@ class CodeSandbox:
         ``on_result(i, result)`` is called from the worker thread as soon as program ``i``
         finished. Results are in input order.
         """
-        self._resolve_backend()  # probe once, before the threads race for it
+        self._resolve_backend()  # probe once (and refuse, if so) before the threads race for it
         workers = self.max_workers or os.cpu_count() or 1
 
         def job(i: int) -> SandboxResult:
@@ -389,58 +562,90 @@ class CodeSandbox:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
             return list(pool.map(job, range(len(programs))))
 
-    def _run_in(self, root: str, program: Program, limits: SandboxLimits, backend: _Backend,
+    def _run_in(self, root: str, program: Program, limits: SandboxLimits, isolate: bool,
                 uid: int | None) -> SandboxResult:
-        workdir, iodir = os.path.join(root, "work"), os.path.join(root, "io")
-        os.mkdir(workdir, 0o700)
-        os.mkdir(iodir, 0o700)  # stays root-only: the program cannot touch its io files
-        os.chmod(root, 0o711)  # traversable, not listable, for the sandbox uid
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+        # root (0700, ours): src/ and io/ stay out of the program's reach; the work dir is built
+        # inside the sandbox's own root (isolated) or here, owned by the program's uid (unsafe).
+        workdir, srcdir, iodir = (os.path.join(root, name) for name in ("work", "src", "io"))
+        os.mkdir(srcdir, 0o700)
+        os.mkdir(iodir, 0o700)
+        source = os.path.join(srcdir if isolate else workdir, "main.py")
+        if isolate:
+            os.mkdir(os.path.join(root, "newroot"), 0o700)
+        else:
+            os.mkdir(workdir, 0o700)
+            os.chmod(root, 0o711)  # traversable, not listable, for the program's uid
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+        with open(source, "w", encoding="utf-8") as f:
             f.write(program.source)
         with open(os.path.join(iodir, "stdin"), "w", encoding="utf-8") as f:
             f.write(program.stdin)
-        argv = self._argv(backend, workdir, uid, limits)
-        return self._spawn(argv, iodir, workdir, limits, backend, uid)
+        cfg = self._launcher_config(root, workdir, source, limits, isolate, uid)
+        argv = [self.python, "-I", "-S", "-B", "-c", _launcher_source(), json.dumps(cfg)]
+        return self._spawn(argv, iodir, root, limits, isolate, uid)
 
-    def _argv(self, backend: _Backend, workdir: str, uid: int | None,
-              limits: SandboxLimits) -> list[str]:
+    def _launcher_config(self, root: str, workdir: str, source: str, limits: SandboxLimits, isolate: bool,
+                         uid: int | None) -> dict:
+        python = os.path.realpath(self.python)
         cfg = {
-            "workdir": workdir,
+            "parent_pid": os.getpid(),
+            "isolate": isolate,
             "uid": -1 if uid is None else uid,
             "gid": -1 if uid is None else uid,
             "rlimits": _rlimits(limits, cap_nproc=uid is not None),
-            "argv": [self.python, "-I", "-B", os.path.join(workdir, "main.py")],
+            "argv": [python, "-I", "-B", os.path.join(workdir, "main.py")],
             "env": _clean_env(workdir),
-            "remount_ro": backend.remount_ro,
-            "pdeathsig": True,
+            "workdir": workdir,
+            "source": source,
+            "seccomp": "",
         }
-        launcher = [self.python, "-I", "-S", "-B", "-c", _launcher_source(), json.dumps(cfg)]
-        return [*backend.prefix, *launcher]
+        if isolate:
+            cfg.update(root=os.path.join(root, "newroot"), binds=_interpreter_binds(python),
+                       devices=[d for d in _DEVICES if os.path.exists(d)], disk_bytes=limits.max_disk_mb << 20,
+                       inodes=4096, seccomp=_seccomp_hex())
+        return cfg
 
-    def _spawn(self, argv: list[str], iodir: str, workdir: str, limits: SandboxLimits,
-               backend: _Backend, uid: int | None) -> SandboxResult:
+    def _spawn(self, argv: list[str], iodir: str, cwd: str, limits: SandboxLimits, isolate: bool,
+               uid: int | None) -> SandboxResult:
         out_path, err_path = os.path.join(iodir, "stdout"), os.path.join(iodir, "stderr")
         start = time.monotonic()
         with open(os.path.join(iodir, "stdin"), "rb") as fin, \
                 open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
             # start_new_session: setsid, so killpg reaches everything that did not itself
             # call setsid; the namespace init handles the rest.
-            proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=workdir,
-                                    env=_clean_env(workdir), start_new_session=True,
-                                    close_fds=True)
+            proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd,
+                                    env=_clean_env(cwd), start_new_session=True, close_fds=True)
         timed_out = not _wait_exited(proc.pid, limits.timeout_s)
-        if timed_out or backend.name == "rlimits":
+        if timed_out or not isolate:
             # After a normal exit from a PID namespace the kernel has already killed
             # everything; otherwise hunt the tree down (and same-uid strays without one).
-            _kill_tree(proc, uid if backend.name == "rlimits" else None)
+            _kill_tree(proc, isolate, None if isolate else uid)
         proc.wait()
         wall = time.monotonic() - start
         rc = proc.returncode
         return SandboxResult(None if timed_out else rc,
                              _read_capped(out_path, limits.max_output_bytes),
                              _read_capped(err_path, limits.max_output_bytes), timed_out, wall)
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_hex() -> str:
+    return _sandbox_seccomp.build_filter(platform.machine()).hex()
+
+
+def _rlimits(limits: SandboxLimits, cap_nproc: bool) -> dict[str, int]:
+    mib = 1 << 20
+    out = {
+        "RLIMIT_CPU": int(limits.timeout_s) + 1,
+        "RLIMIT_AS": limits.process_memory_bytes,
+        "RLIMIT_FSIZE": limits.max_file_mb * mib,
+        "RLIMIT_NOFILE": limits.max_open_files,
+        "RLIMIT_CORE": 0,
+    }
+    if cap_nproc:  # counted per uid: only meaningful under the program's own uid
+        out["RLIMIT_NPROC"] = limits.max_processes
+    return out
 
 
 def _clean_env(workdir: str) -> dict[str, str]:

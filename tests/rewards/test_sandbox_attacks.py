@@ -12,7 +12,7 @@ import time
 import pytest
 
 from megatron_cascade.rewards import build_reward
-from megatron_cascade.rewards.sandbox import Program, SandboxLimits
+from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits, SandboxUnavailableError
 
 TIMEOUT_S = 2.0
 SLACK_S = 2.0  # the brief: done within timeout + 2 s
@@ -45,12 +45,22 @@ def world_dir():
 
 
 def _needs_ro_mounts(sandbox) -> None:
-    if sandbox.backend != "namespaces":
-        pytest.skip("read-only mounts need the namespaces backend")
+    if sandbox.backend != "isolated":
+        pytest.skip("read-only mounts need the isolated mode")
+
+
+@pytest.fixture(autouse=True)
+def _needs_isolation(sandbox):
+    """Every attack here runs through the code reward, which refuses without isolation
+    (``test_sandbox_fail_closed.py`` checks that refusal)."""
+    try:
+        sandbox.require_isolation()
+    except SandboxUnavailableError as e:
+        pytest.skip(f"isolated sandbox unavailable here: {e}")
 
 
 def test_backend_is_detected(sandbox):
-    assert sandbox.backend in ("namespaces", "rlimits")
+    assert sandbox.backend == "isolated"
 
 
 def test_infinite_loop(no_leftovers):
@@ -73,9 +83,14 @@ def test_write_outside_private_dir(tmp_path, no_leftovers):
 
 def test_write_world_writable_dir(sandbox, world_dir, no_leftovers):
     _needs_ro_mounts(sandbox)
-    for target in (os.path.join(world_dir, "w.txt"), "/dev/shm/mc-attack-w.txt"):
-        _check(f"open({target!r}, 'w').write('x')\nprint('PWNED')")
-        assert not os.path.exists(target)
+    target = os.path.join(world_dir, "w.txt")
+    _check(f"open({target!r}, 'w').write('x')\nprint('PWNED')")
+    assert not os.path.exists(target)
+    # The program has a /dev/shm of its own (on its size-capped tmpfs: multiprocessing needs one),
+    # so its write there may succeed; the host's /dev/shm stays untouched.
+    target = "/dev/shm/mc-attack-w.txt"
+    _attack_score(f"open({target!r}, 'w').write('x')\nprint('PWNED')")
+    assert not os.path.exists(target)
 
 
 def test_delete_files(tmp_path, no_leftovers):
@@ -101,8 +116,6 @@ def test_network_connection(sandbox, no_leftovers):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         port = server.getsockname()[1]
-        if sandbox.backend != "namespaces":
-            pytest.skip("network isolation needs the namespaces backend")
         _check(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)\nprint('PWNED')")
         server.settimeout(0.2)
         with pytest.raises(socket.timeout):
@@ -182,10 +195,8 @@ def test_daemon_really_would_run_unsandboxed(tmp_path, marker, processes_with):
 
 
 def test_rlimits_fallback_still_contains_basics(tmp_path, monkeypatch, no_leftovers):
-    """The degraded backend: timeout, env scrubbing, privilege drop still hold."""
-    from megatron_cascade.rewards.sandbox import CodeSandbox, _Backend
-
-    box = CodeSandbox(_backend=_Backend("rlimits", (), drop_uid=os.geteuid() == 0))
+    """The unsafe mode (allow_unsafe_sandbox): timeout, env scrubbing, privilege drop still hold."""
+    box = CodeSandbox(_backend="unsafe")
     monkeypatch.setenv("MC_TEST_SECRET_TOKEN", "mc-secret-value-42")
     limits = SandboxLimits(timeout_s=1)
     start = time.monotonic()

@@ -1,0 +1,32 @@
+"""One bad item of a code-reward batch scores only itself 0, counted as an error; the others keep
+their scores (issue 13: one 6 KB ``x=1+1+...`` program or one row without ``tests`` zeroed the batch)."""
+
+from __future__ import annotations
+
+from megatron_cascade.rewards import build_reward, score_batch
+
+GOOD = "```python\nprint(input()[::-1])\n```"
+GOOD_ROW = {"tests": [{"input": "abc", "output": "cba"}]}
+
+
+def _score(responses: list[str], rows: list[dict]) -> tuple[list[float], int]:
+    return score_batch(build_reward("code", {"timeout_s": 5}), responses, rows)
+
+
+def test_compile_check_recursion_error_hits_only_its_item():
+    bomb = "```python\nx = 1" + " + 1" * 3000 + "\nprint(x)\n```"  # ~12 KB: RecursionError in compile()
+    scores, errors = _score([GOOD, bomb, GOOD], [GOOD_ROW, GOOD_ROW, GOOD_ROW])
+    assert scores == [1.0, 0.0, 1.0]
+    assert errors == 1
+
+
+def test_row_without_tests_hits_only_its_item():
+    scores, errors = _score([GOOD, GOOD, GOOD], [GOOD_ROW, {"prompt": "no tests here"}, {"tests": "not a list"}])
+    assert scores == [1.0, 0.0, 0.0]
+    assert errors == 2
+
+
+def test_malformed_test_case_hits_only_its_item():
+    scores, errors = _score([GOOD, GOOD], [{"tests": [{"input": "abc"}]}, GOOD_ROW])
+    assert scores == [0.0, 1.0]
+    assert errors == 1

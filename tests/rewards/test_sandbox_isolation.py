@@ -1,0 +1,304 @@
+"""The sandbox under the attacks of issue 13: each was reproduced against the old sandbox (it broke),
+then held. Every program here would pass its test only by getting out of the box.
+
+These need the isolated sandbox (root with CAP_SYS_ADMIN: CI's privileged container); where it
+cannot be had they skip, and ``test_sandbox_fail_closed.py`` checks that the reward refuses instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from megatron_cascade.rewards import build_reward
+from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits, SandboxUnavailableError
+
+TIMEOUT_S = 3.0
+# The syscalls of the attacks, by architecture (asm/unistd_64.h, asm-generic/unistd.h).
+_NR = {
+    "x86_64": {"ptrace": 101, "mount": 165, "unshare": 272, "setns": 308, "bpf": 321,
+               "perf_event_open": 298, "keyctl": 250, "add_key": 248, "request_key": 249},
+    "aarch64": {"ptrace": 117, "mount": 40, "unshare": 97, "setns": 268, "bpf": 280,
+                "perf_event_open": 241, "keyctl": 219, "add_key": 217, "request_key": 218},
+}
+
+
+@pytest.fixture(scope="module")
+def box() -> CodeSandbox:
+    sandbox = CodeSandbox()
+    try:
+        sandbox.require_isolation()
+    except SandboxUnavailableError as e:
+        pytest.skip(f"isolated sandbox unavailable here: {e}")
+    return sandbox
+
+
+def _score(program: str, expected: str, **kwargs) -> float:
+    """Code-reward score of ``program`` when only printing ``expected`` passes."""
+    reward = build_reward("code", {"timeout_s": TIMEOUT_S, **kwargs})
+    return reward(f"```python\n{program}\n```", {"tests": [{"input": "", "output": expected}]})
+
+
+@pytest.fixture
+def host_dir():
+    """A host folder that every user may read and write (only the sandbox's root hides it)."""
+    path = tempfile.mkdtemp(prefix="mc-host-")
+    os.chmod(path, 0o777)
+    yield path
+    subprocess.run(["rm", "-rf", path], check=False)
+
+
+def test_host_test_data_is_invisible(box, host_dir, no_leftovers):
+    """Issue: a program read the reward's test data (readable by others) and scored 10/10."""
+    data = os.path.join(host_dir, "hidden_tests.json")
+    with open(data, "w") as f:
+        f.write("ANSWER-4242")
+    os.chmod(data, 0o644)
+    assert _score(f"print(open({data!r}).read())", "ANSWER-4242") == 0.0
+    # Nothing of the host but the interpreter: not the repository, not /etc, not /root.
+    here = os.path.abspath(__file__)
+    probe = (f"import os\nfor p in ({here!r}, '/etc/passwd', '/etc/hostname', '/root', {host_dir!r}):\n"
+             "    print(p, os.path.exists(p))\n")
+    res = box.run(Program(probe), SandboxLimits(timeout_s=TIMEOUT_S))
+    assert res.ok, res.stderr
+    assert "True" not in res.stdout, res.stdout
+
+
+def _keyring_attack_script(program: str) -> str:
+    """A 'trainer' with a secret in its session keyring that scores ``program`` (given the key id)."""
+    nr = _NR[platform.machine()]
+    return textwrap.dedent(f"""
+        import ctypes, json, sys
+        from megatron_cascade.rewards import build_reward
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        assert libc.syscall({nr['keyctl']}, 1, b"mc-trainer-session") > 0  # JOIN_SESSION_KEYRING
+        key = libc.syscall({nr['add_key']}, b"user", b"mc-secret", b"TOKEN-SECRET-99", 15,
+                           ctypes.c_long(-3))
+        assert key > 0, ctypes.get_errno()
+        reward = build_reward("code", {{"timeout_s": {TIMEOUT_S}}})
+        program = {program!r}.replace("KEY", str(key))
+        score = reward("```python\\n" + program + "\\n```", {{"tests": [{{"input": "", "output": "TOKEN-SECRET-99"}}]}})
+        buf = ctypes.create_string_buffer(64)
+        still = libc.syscall({nr['keyctl']}, 11, ctypes.c_long(key), buf, 64)  # KEYCTL_READ
+        print(json.dumps({{"score": score, "key_readable_after": still == 15}}))
+    """)
+
+
+def test_trainer_keyring_is_out_of_reach(box, no_leftovers):
+    """Issue: a program read -- and revoked -- a secret in the trainer's session keyring."""
+    nr = _NR[platform.machine()]
+    program = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.syscall.restype = ctypes.c_long\n"
+        "buf = ctypes.create_string_buffer(64)\n"
+        f"n = libc.syscall({nr['keyctl']}, 11, ctypes.c_long(KEY), buf, 64)\n"
+        f"libc.syscall({nr['keyctl']}, 3, ctypes.c_long(KEY))\n"  # KEYCTL_REVOKE
+        "print(buf.value.decode() if n > 0 else 'no access')\n")
+    out = subprocess.run([sys.executable, "-c", _keyring_attack_script(program)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == '{"score": 0.0, "key_readable_after": true}'
+
+
+def test_dangerous_syscalls_are_refused(box, no_leftovers):
+    """Fresh keyring aside, seccomp refuses keyctl, ptrace, mount, bpf, namespaces, perf (EPERM)."""
+    nr = _NR[platform.machine()]
+    program = textwrap.dedent(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        calls = {{
+            "ptrace": ({nr['ptrace']}, 0, 0, 0, 0),                       # PTRACE_TRACEME
+            "mount": ({nr['mount']}, b"none", b"/tmp", b"tmpfs", 0, 0),
+            "unshare_user": ({nr['unshare']}, 0x10000000),               # CLONE_NEWUSER
+            "unshare_net": ({nr['unshare']}, 0x40000000),
+            "setns": ({nr['setns']}, 0, 0),
+            "bpf": ({nr['bpf']}, 0, 0, 0),
+            "perf_event_open": ({nr['perf_event_open']}, 0, 0, -1, -1, 0),
+            "keyctl": ({nr['keyctl']}, 0, ctypes.c_long(-3), 0),          # GET_KEYRING_ID @s
+            "add_key": ({nr['add_key']}, b"user", b"k", b"v", 1, ctypes.c_long(-3)),
+            "request_key": ({nr['request_key']}, b"user", b"k", 0, 0),
+        }}
+        for name, args in calls.items():
+            ctypes.set_errno(0)
+            rc = libc.syscall(*args)
+            print(name, rc, os.strerror(ctypes.get_errno()) if rc < 0 else "SUCCEEDED", flush=True)
+        pid = os.fork() if hasattr(os, "fork") else 0
+        if pid == 0:
+            # clone(CLONE_NEWUSER) through the fork path: a user namespace gives the program caps.
+            rc = libc.syscall({56 if platform.machine() == 'x86_64' else 220}, 0x10000000 | 17, 0, 0, 0, 0)
+            if rc == 0:
+                os._exit(0)
+            print("clone_newuser", rc, os.strerror(ctypes.get_errno()) if rc < 0 else "SUCCEEDED", flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """).replace("platform.machine()", repr(platform.machine()))
+    res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
+    assert res.ok, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 11, res.stdout
+    for line in lines:
+        assert line.endswith("Operation not permitted"), line
+
+
+def _sysv_ipc(key: int) -> list[str]:
+    with open("/proc/sysvipc/shm") as f:
+        return [line for line in f if line.split()[0] == str(key)]
+
+
+def test_ipc_objects_do_not_outlive_or_cross(box, no_leftovers):
+    """Issue: SysV/POSIX IPC objects outlived the run (no IPC namespace)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    leak_key, host_key = 0x4D430001, 0x4D430002
+    host_id = libc.shmget(host_key, 4096, 0o1666)  # IPC_CREAT | rw for all: only a namespace hides it
+    assert host_id >= 0, ctypes.get_errno()
+    try:
+        program = (
+            "import ctypes\nlibc = ctypes.CDLL(None)\n"
+            f"print('made', libc.shmget({leak_key}, 4096, 0o1666) >= 0)\n"
+            f"print('host seen', libc.shmget({host_key}, 0, 0) >= 0)\n")
+        res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
+        assert res.ok, res.stderr
+        assert res.stdout.split("\n")[:2] == ["made True", "host seen False"], res.stdout
+        assert _sysv_ipc(leak_key) == []
+    finally:
+        for key in (leak_key, host_key):
+            for line in _sysv_ipc(key):
+                libc.shmctl(int(line.split()[1]), 0, None)  # IPC_RMID
+
+
+def test_host_unix_socket_is_unreachable(box, host_dir, no_leftovers):
+    """Issue: a file-system Unix socket on the host was reachable."""
+    path = os.path.join(host_dir, "service.sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen(1)
+        program = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\n"
+                   f"s.connect({path!r})\nprint('PWNED')")
+        assert _score(program, "PWNED") == 0.0
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def test_memory_limit_covers_the_process_tree(box, no_leftovers):
+    """Issue: the memory limit was per process with 64 processes allowed (633 MiB under 160 MiB)."""
+    program = textwrap.dedent("""
+        import os, time
+        CHUNK = 20 << 20
+        r, w = os.pipe()
+        for _ in range(16):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                try:
+                    block = bytearray(CHUNK)
+                    block[::4096] = b"x" * len(block[::4096])
+                    os.write(w, b"1")
+                except MemoryError:
+                    pass
+                time.sleep(3)
+                os._exit(0)
+        os.close(w)
+        time.sleep(1.0)
+        os.set_blocking(r, False)
+        try:
+            got = len(os.read(r, 100))
+        except BlockingIOError:
+            got = 0
+        print(got * 20)
+    """)
+    res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S, memory_mb=160))
+    assert res.ok, res.stderr
+    assert int(res.stdout.strip()) <= 160, res.stdout
+
+
+def test_disk_limit_covers_workdir_and_tmp(box, no_leftovers):
+    """Issue: /tmp (and the work dir) filled past the per-file cap."""
+    program = textwrap.dedent("""
+        import os
+        total = 0
+        for i in range(12):
+            for folder in (".", "/tmp"):
+                try:
+                    with open(os.path.join(folder, f"f{i}"), "wb") as f:
+                        for _ in range(16):
+                            f.write(b"x" * (1 << 20))
+                            f.flush()
+                            total += 1
+                except OSError:
+                    pass
+        print(total)
+    """)
+    limits = SandboxLimits(timeout_s=10)
+    res = box.run(Program(program), limits)
+    assert res.ok, res.stderr
+    assert 0 < int(res.stdout.strip()) <= limits.max_disk_mb, res.stdout
+
+
+def _argv(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_programs_die_with_the_trainer(box, marker, processes_with, no_leftovers):
+    """Issue: when the trainer is SIGKILLed, sandboxed programs lived on."""
+    trainer = textwrap.dedent(f"""
+        from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits
+        CodeSandbox().run(Program("import time\\ntime.sleep(60)  # {marker}"), SandboxLimits(timeout_s=60))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", trainer])
+    try:
+        deadline = time.monotonic() + 60
+        tree: list[psutil.Process] = []
+        # Wait for the program itself (its argv ends in main.py), a descendant of this trainer.
+        while not any(_argv(p)[-1:] and _argv(p)[-1].endswith("main.py") for p in tree):
+            assert time.monotonic() < deadline and proc.poll() is None, "the program never started"
+            time.sleep(0.05)
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in processes_with(marker) + processes_with("mc-sandbox-"):
+            p.kill()
+
+
+def _uid_of_program(local_rank: str) -> int:
+    script = ("from megatron_cascade.rewards.sandbox import CodeSandbox, Program\n"
+              "print(CodeSandbox().run(Program('import os; print(os.getuid())')).stdout.strip())\n")
+    env = {**os.environ, "LOCAL_RANK": local_rank}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_ranks_of_a_node_never_share_a_uid(box, no_leftovers):
+    """Issue: every rank of a node used the same sandbox uids (one rank's fork hog zeroed another)."""
+    uids = {_uid_of_program("0"), _uid_of_program("1")}
+    assert len(uids) == 2, uids
+
+
+def test_uid_of_a_real_user_is_refused(box):
+    """Issue: sandbox uids were not checked against the user database."""
+    with pytest.raises(SandboxUnavailableError, match="uid_base.*root"):
+        CodeSandbox(uid_base=0).run(Program("print(1)"))
