@@ -2,8 +2,9 @@
 
 A row is one JSON object: ``prompt`` (str) or ``messages`` (chat list), optional ``domain``
 (must match the domain it is listed under), ``response`` (the SFT target), and whatever fields the
-domain's reward reads (``answer``, ``tests``, ``instructions``, ``schema``...). A malformed row is
-reported with ``file:line`` and skipped, or stops the run, per ``data.on_bad_row``.
+domain's reward reads (``answer``, ``tests``, ``instructions``, ``schema``...). A malformed row (bytes
+that are not UTF-8, invalid JSON, missing fields...) is reported with ``file:line`` and skipped, or
+stops the run, per ``data.on_bad_row``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_cascade.config.model import ConfigError
+from megatron_cascade.config.schema import OnBadRow
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,17 @@ def _messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-def _parse_row(line: str, domain: str, tokenizer, need_response: bool, max_prompt_tokens: int) -> Example:
+def _decode(raw: bytes) -> str:
+    """One line of a JSONL file as text; bytes that are not UTF-8 make the row bad (not the file)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"not valid UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start + 1} "
+                        f"({exc.reason})") from None
+
+
+def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prompt_tokens: int) -> Example:
+    line = _decode(raw)
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -76,10 +88,11 @@ def _parse_row(line: str, domain: str, tokenizer, need_response: bool, max_promp
 def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
                   max_prompt_tokens: int = 512) -> list[Example]:
     """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal."""
-    if on_bad_row not in ("skip", "error"):
-        raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of ['skip', 'error']")
+    if on_bad_row not in OnBadRow.values():
+        raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of {OnBadRow.values()}")
     try:
-        handle = open(path, encoding="utf-8")
+        # Binary: a line that is not UTF-8 is one bad row reported as path:line, not a crash of the read.
+        handle = open(path, "rb")
     except OSError as exc:
         raise DataError(f"{path}: cannot open data file: {exc.strerror}") from None
     examples, bad = [], 0

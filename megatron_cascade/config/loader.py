@@ -1,6 +1,8 @@
 """Load a run config: YAML (with ``defaults`` includes and ``${...}`` interpolation), command-line
 ``key.sub=value`` overrides, and validation against the schema (unknown keys and wrong types are
-errors naming the file, the key and a hint)."""
+errors naming the file, the key and a hint). Choices are enums of the schema, refused by OmegaConf
+when the YAML is merged; every field's range and every section's own rules (``config.rules``) are
+checked by ``validate_run``, which adds the rules between sections."""
 
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_cascade.config.model import ConfigError
+from megatron_cascade.config.rules import ConfigError, validate_tree
 from megatron_cascade.config.schema import STAGE_TYPES, ResolvedStage, RolloutConfig, RunConfig, StageConfig
-from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
+from megatron_cascade.config.training import (
+    LossConfig, OptimizerConfig, TrainingConfig, validate_optimizer_config,
+)
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_ENUM_REFUSAL = re.compile(r"Invalid value '(.*)', expected one of \[(.*)\]")
 _STAGE_SECTIONS = {"optimizer": OptimizerConfig, "loss": LossConfig, "training": TrainingConfig,
                    "rollout": RolloutConfig}
 
@@ -136,9 +141,18 @@ def _stage_key_by_name(cfg: DictConfig, key: str) -> str:
 def _config_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
     message = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    if _bad_choice(message):
+        return ConfigError(f"{source}: {key}={_bad_choice(message)}")
     unknown_key = " not in " in message
     hint = _hint_for(key) if unknown_key and "Did you mean" not in message else ""
     return ConfigError(f"{source}: config key '{key}': {message}{hint}")
+
+
+def _bad_choice(message: str) -> str:
+    """OmegaConf's refusal of a value outside a ``Choice`` enum, in the words of ``config.rules``
+    (``'clip' is not one of [...]``); empty for any other message."""
+    match = _ENUM_REFUSAL.fullmatch(message)
+    return f"{match.group(1)!r} is not one of {match.group(2).split(', ')}" if match else ""
 
 
 def _hint_for(full_key: str) -> str:
@@ -173,17 +187,17 @@ def _field_type(node: Any, name: str) -> Any:
 
 
 def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = True) -> None:
-    """Cross-field checks the schema cannot express; ``ConfigError`` naming the key."""
+    """Every field's declared range and every section's own rules (``config.rules``), then the checks
+    between sections and stages; ``ConfigError`` naming ``source`` and the key."""
+    try:
+        validate_tree(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if not cfg.stages:
         raise ConfigError(f"{source}: 'stages' is empty: a run needs at least one stage")
-    if cfg.distributed.timeout_minutes <= 0:
-        raise ConfigError(f"{source}: distributed.timeout_minutes={cfg.distributed.timeout_minutes} must be > 0")
-    if cfg.checkpoint.time_limit_margin_s < 0:
-        raise ConfigError(f"{source}: checkpoint.time_limit_margin_s={cfg.checkpoint.time_limit_margin_s} "
-                          "must be >= 0")
-    if not 0.0 <= cfg.rewards.max_error_frac <= 1.0:
-        raise ConfigError(f"{source}: rewards.max_error_frac={cfg.rewards.max_error_frac} must be in [0, 1] "
-                          "(1 never stops the run)")
+    if cfg.eval.max_new_tokens is not None and cfg.eval.max_new_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(f"{source}: eval.max_new_tokens={cfg.eval.max_new_tokens} leaves no room for the prompt "
+                          f"in model.max_position_embeddings={cfg.model.max_position_embeddings}")
     seen: list[str] = []
     for index, stage in enumerate(cfg.stages):
         where = f"{source}: stages[{index}] ({stage.name})"
@@ -193,67 +207,35 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
             raise ConfigError(f"{where}: stage name {stage.name!r} is used twice")
         if stage.type not in STAGE_TYPES:
             raise ConfigError(f"{where}: type={stage.type!r} is not one of {list(STAGE_TYPES)}")
-        if stage.steps < 1 or stage.prompts_per_step < 1 or stage.samples_per_prompt < 1:
-            raise ConfigError(f"{where}: steps, prompts_per_step and samples_per_prompt must be >= 1")
         if not stage.domains:
             raise ConfigError(f"{where}: 'domains' is empty: name the domains (and weights) this stage trains on")
-        for domain, weight in stage.domains.items():
+        for domain in stage.domains:
             if domain not in cfg.domains:
                 raise ConfigError(f"{where}: domain {domain!r} is not defined under 'domains' "
                                   f"(defined: {sorted(cfg.domains)})")
-            if weight <= 0:
-                raise ConfigError(f"{where}: domains.{domain} weight must be > 0, got {weight}")
             if cfg.domains[domain].train is None:
                 raise ConfigError(f"{where}: domain {domain!r} has no 'train' file")
         _validate_teachers(stage, seen, where, check_paths)
         seen.append(stage.name)
-        _validate_sections(cfg, resolve_stage(cfg, stage), where)
-
-
-_CHOICES = {
-    ("loss", "importance_correction"): ("icepop", "truncate", "none"),
-    ("loss", "mopd_normalization"): ("sequence", "token"),
-    ("rollout", "overlong_policy"): ("zero", "mask"),
-    ("rollout", "advantage_baseline"): ("mean", "leave_one_out"),
-    ("rollout", "advantage_std"): ("sample", "population"),
-}
+        try:
+            resolved = resolve_stage(cfg, stage)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        _validate_sections(cfg, resolved, where)
 
 
 def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None:
-    """Value checks of a stage's merged sections, at load time rather than hours into a run."""
-    from megatron_cascade.training.policy import validate_optimizer_config
-
+    """A stage's merged sections: each field's range and section rules (its overrides may break
+    them), and the rules between them and the run's model."""
     try:
         validate_optimizer_config(stage.optimizer, cfg.model)
+        for name in ("loss", "training", "rollout"):
+            validate_tree(getattr(stage, name), f"{name}.")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    for (section, key), choices in _CHOICES.items():
-        value = getattr(getattr(stage, section), key)
-        if value not in choices:
-            raise ConfigError(f"{where}: {section}.{key}={value!r} is not one of {list(choices)}")
     if stage.rollout.max_new_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(f"{where}: rollout.max_new_tokens={stage.rollout.max_new_tokens} leaves no room for the "
                           f"prompt in model.max_position_embeddings={cfg.model.max_position_embeddings}")
-    _validate_kv_cache(stage, where)
-    if stage.rollout.dynamic_sampling_max_rounds < 1:
-        raise ConfigError(f"{where}: rollout.dynamic_sampling_max_rounds={stage.rollout.dynamic_sampling_max_rounds} "
-                          f"must be >= 1 (1 = no dynamic sampling)")
-    if stage.rollout.dynamic_sampling_max_rounds > 1 and not stage.rollout.filter_uninformative_groups:
-        raise ConfigError(f"{where}: rollout.dynamic_sampling_max_rounds > 1 replaces filtered groups: it needs "
-                          f"rollout.filter_uninformative_groups: true")
-    if stage.training.micro_batch_size < 1 or stage.training.ppo_epochs < 1:
-        raise ConfigError(f"{where}: training.micro_batch_size and training.ppo_epochs must be >= 1")
-
-
-def _validate_kv_cache(stage: ResolvedStage, where: str) -> None:
-    r = stage.rollout
-    if r.kv_cache_bytes is not None and r.kv_cache_bytes <= 0:
-        raise ConfigError(f"{where}: rollout.kv_cache_bytes={r.kv_cache_bytes} must be > 0 "
-                          f"(or null: rollout.kv_cache_fraction of the free memory)")
-    if not 0.0 < r.kv_cache_fraction <= 1.0:
-        raise ConfigError(f"{where}: rollout.kv_cache_fraction={r.kv_cache_fraction} must be in (0, 1]")
-    if r.kv_block_size_tokens < 1:
-        raise ConfigError(f"{where}: rollout.kv_block_size_tokens={r.kv_block_size_tokens} must be >= 1")
 
 
 def _validate_teachers(stage: StageConfig, earlier: list[str], where: str, check_paths: bool) -> None:
@@ -286,6 +268,8 @@ def resolve_stage(cfg: RunConfig, stage: StageConfig) -> ResolvedStage:
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", "?")
             message = str(getattr(exc, "msg", exc)).splitlines()[0]
+            if _bad_choice(message):
+                raise ConfigError(f"stage {stage.name!r}: {name}.{key}={_bad_choice(message)}") from None
             hint = "" if "Did you mean" in message else _close(str(key), cls)
             raise ConfigError(f"stage {stage.name!r}: '{name}.{key}': {message}{hint}") from None
     return ResolvedStage(stage.name, stage.type, stage.steps, stage.prompts_per_step, stage.samples_per_prompt,

@@ -1,48 +1,131 @@
-"""Schema of the ``model`` and ``parallel`` config sections (the single home of their defaults)."""
+"""Schema of the ``model`` and ``parallel`` config sections (the single home of their defaults).
+
+Each field carries its valid values (a ``Choice`` enum, or a ``ranged`` / ``checked`` rule);
+``validate`` methods hold the rules between fields. ``config.rules.validate_tree`` checks them
+when a config is loaded; ``model.builder.validate_model_config`` checks what building needs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_cascade.config.rules import Choice, ConfigError, ranged, require
 
-class ConfigError(ValueError):
-    """A configuration a user wrote cannot work; the message names the key and what to do."""
+__all__ = [
+    "ConfigError", "PositionEmbedding", "Normalization", "Activation", "Precision", "Recompute",
+    "RouterLoadBalancing", "RouterScoreFunction", "TokenDispatcher", "FP8Format", "FP8Recipe",
+    "AmaxComputeAlgo", "MoEConfig", "FP8Config", "ModelConfig", "ParallelConfig",
+]
+
+
+class PositionEmbedding(Choice):
+    rope = "rope"
+    learned_absolute = "learned_absolute"
+
+
+class Normalization(Choice):
+    RMSNorm = "RMSNorm"
+    LayerNorm = "LayerNorm"
+
+
+class Activation(Choice):
+    swiglu = "swiglu"
+    gelu = "gelu"
+
+
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Recompute(Choice):
+    none = "none"
+    selective = "selective"  # the attention core
+    full = "full"  # whole layers, in uniform chunks of recompute_num_layers
+
+
+class RouterLoadBalancing(Choice):
+    none = "none"
+    aux_loss = "aux_loss"  # per micro-batch
+    seq_aux_loss = "seq_aux_loss"  # per sequence: exact for any batch split
+
+
+class RouterScoreFunction(Choice):
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+class TokenDispatcher(Choice):
+    alltoall = "alltoall"
+    allgather = "allgather"
+    flex = "flex"
+
+
+class FP8Format(Choice):
+    e4m3 = "e4m3"
+    hybrid = "hybrid"
+
+
+class FP8Recipe(Choice):
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    mxfp8 = "mxfp8"
+    blockwise = "blockwise"
+
+
+class AmaxComputeAlgo(Choice):
+    max = "max"
+    most_recent = "most_recent"
 
 
 @dataclass
 class MoEConfig:
     """Mixture-of-experts settings; ``num_experts: null`` means a dense model."""
 
-    num_experts: Optional[int] = None
-    router_topk: int = 2
-    ffn_hidden_size: Optional[int] = None  # per-expert FFN width; null = model.ffn_hidden_size
-    shared_expert_intermediate_size: Optional[int] = None  # null = no shared expert
+    num_experts: Optional[int] = ranged(None, ge=1)
+    router_topk: int = ranged(2, ge=1)  # <= num_experts
+    ffn_hidden_size: Optional[int] = ranged(None, ge=1)  # per-expert FFN width; null = model.ffn_hidden_size
+    shared_expert_intermediate_size: Optional[int] = ranged(None, ge=1)  # null = no shared expert
     router_pre_softmax: bool = False  # False: softmax over the top-k (normalised top-k probs)
     # Load-balancing loss, weighted like the policy loss (model/moe_aux_loss.py): none (NeMo-RL's GRPO
     # default) | aux_loss (per micro-batch) | seq_aux_loss (per sequence: exact for any batch split),
     # scaled by aux_loss_coeff.
-    router_load_balancing_type: str = "none"
-    aux_loss_coeff: float = 0.0
-    router_score_function: str = "softmax"  # softmax | sigmoid
+    router_load_balancing_type: RouterLoadBalancing = RouterLoadBalancing.none
+    aux_loss_coeff: float = ranged(0.0, ge=0)
+    router_score_function: RouterScoreFunction = RouterScoreFunction.softmax
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias moved by router_bias_update_rate
     # towards equal load after every step, from token counts over the whole global batch. Needs sigmoid.
     router_enable_expert_bias: bool = False
-    router_bias_update_rate: float = 1.0e-3
-    token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex
+    router_bias_update_rate: float = ranged(1.0e-3, ge=0)
+    token_dispatcher_type: TokenDispatcher = TokenDispatcher.alltoall
     grouped_gemm: bool = False  # GPU (TE) only
-    layer_freq: int = 1  # every k-th layer is MoE
+    layer_freq: int = ranged(1, ge=1)  # every k-th layer is MoE
+
+    def validate(self, prefix: str = "model.moe.") -> None:
+        """Rules between the MoE fields (``ConfigError`` naming the keys)."""
+        if self.num_experts is None:
+            return  # a dense model: the router fields are not used
+        require(self.router_topk <= self.num_experts, f"{prefix}router_topk={self.router_topk} must be in "
+                f"[1, {prefix}num_experts={self.num_experts}]")
+        require(not (self.router_load_balancing_type == "none" and self.aux_loss_coeff > 0),
+                f"{prefix}aux_loss_coeff={self.aux_loss_coeff} does nothing with {prefix}router_load_balancing_type="
+                "'none': set the type (aux_loss | seq_aux_loss) or the coefficient to 0")
+        require(not self.router_enable_expert_bias or self.router_score_function == "sigmoid",
+                f"{prefix}router_enable_expert_bias needs {prefix}router_score_function=sigmoid "
+                "(Megatron-Core's aux-loss-free balancing)")
 
 
 @dataclass
 class FP8Config:
     """Transformer Engine FP8 settings, passed through to ``TransformerConfig`` (GPU only)."""
 
-    format: Optional[str] = None  # null (off) | e4m3 | hybrid
-    recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"  # max | most_recent
-    margin: int = 0
+    format: Optional[FP8Format] = None  # null (off) | e4m3 | hybrid
+    recipe: FP8Recipe = FP8Recipe.delayed
+    amax_history_len: int = ranged(1024, ge=1)
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max
+    margin: int = ranged(0, ge=0)  # scaling-factor margin, in powers of 2
     param_gather: bool = False  # keep FP8 weight copies (saves memory with the distributed optimizer)
 
 
@@ -50,33 +133,33 @@ class FP8Config:
 class ModelConfig:
     """A GPTModel: dense or MoE, RoPE, GQA, SwiGLU, RMSNorm by default."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: Optional[int] = None  # null = 4 * hidden_size (dense MLP width)
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # GQA key/value heads; null = num_attention_heads
-    kv_channels: Optional[int] = None  # head dim; null = hidden_size / num_attention_heads
-    vocab_size: int = 256  # tokenizer vocabulary (before padding)
-    make_vocab_size_divisible_by: int = 128  # embedding rows are padded to a multiple of this
-    max_position_embeddings: int = 4096
-    position_embedding_type: str = "rope"  # rope | learned_absolute
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
-    norm_epsilon: float = 1e-6
-    activation: str = "swiglu"  # swiglu | gelu
+    num_layers: int = ranged(2, ge=1)
+    hidden_size: int = ranged(64, ge=1)
+    ffn_hidden_size: Optional[int] = ranged(None, ge=1)  # null = 4 * hidden_size (dense MLP width)
+    num_attention_heads: int = ranged(4, ge=1)
+    num_query_groups: Optional[int] = ranged(None, ge=1)  # GQA key/value heads; null = num_attention_heads
+    kv_channels: Optional[int] = ranged(None, ge=1)  # head dim; null = hidden_size / num_attention_heads
+    vocab_size: int = ranged(256, ge=1)  # tokenizer vocabulary (before padding)
+    make_vocab_size_divisible_by: int = ranged(128, ge=1)  # embedding rows are padded to a multiple of this
+    max_position_embeddings: int = ranged(4096, ge=2)  # tokens: prompt + response must fit
+    position_embedding_type: PositionEmbedding = PositionEmbedding.rope
+    rotary_base: float = ranged(10000.0, gt=0)
+    rotary_percent: float = ranged(1.0, gt=0, le=1)  # share of the head dim rotated
+    normalization: Normalization = Normalization.RMSNorm
+    norm_epsilon: float = ranged(1e-6, gt=0)
+    activation: Activation = Activation.swiglu
     add_bias_linear: bool = False
     add_qkv_bias: bool = False  # Qwen2.5
     qk_layernorm: bool = False  # Qwen3
     tie_embeddings: bool = False  # share input embedding and output layer weights
-    init_method_std: float = 0.02
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    init_method_std: float = ranged(0.02, gt=0)
+    attention_dropout: float = ranged(0.0, ge=0, lt=1)  # a probability
+    hidden_dropout: float = ranged(0.0, ge=0, lt=1)
+    precision: Precision = Precision.fp32
     # Activation recompute in training: none | selective (attention core) | full (whole layers, in
     # uniform chunks of recompute_num_layers). Trades compute for activation memory (the dry-run plan counts it).
-    recompute: str = "none"
-    recompute_num_layers: int = 1
+    recompute: Recompute = Recompute.none
+    recompute_num_layers: int = ranged(1, ge=1)
     moe: MoEConfig = field(default_factory=MoEConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
 
@@ -85,16 +168,38 @@ class ModelConfig:
         div = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // div) * div
 
+    def validate(self, prefix: str = "model.") -> None:
+        """Rules between the model fields (``ConfigError`` naming the keys)."""
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+                f"{prefix}num_attention_heads={self.num_attention_heads} does not divide {prefix}hidden_size="
+                f"{self.hidden_size}; set {prefix}kv_channels (head dim) explicitly")
+        groups = self.num_query_groups or self.num_attention_heads
+        require(self.num_attention_heads % groups == 0, f"{prefix}num_query_groups={groups} does not divide "
+                f"{prefix}num_attention_heads={self.num_attention_heads}")
+        head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
+        require(self.position_embedding_type != "rope" or head_dim % 2 == 0,
+                f"RoPE needs an even head dim, got {head_dim} ({prefix}kv_channels)")
+        require(self.fp8.format is None or self.precision == "bf16",
+                f"{prefix}fp8.format needs {prefix}precision=bf16 (FP8 GEMMs with bf16 master compute)")
+        aux_loss = self.moe.num_experts is not None and self.moe.router_load_balancing_type != "none" \
+            and self.moe.aux_loss_coeff > 0
+        # The recomputed router forward runs in the backward pass, after the training step's
+        # per-sequence aux-loss weights (model/moe_aux_loss.py) are gone.
+        require(not (aux_loss and self.recompute == "full"),
+                f"{prefix}recompute=full cannot be combined with an MoE load-balancing loss "
+                f"({prefix}moe.router_load_balancing_type / aux_loss_coeff): use recompute=selective "
+                "or router_load_balancing_type=none")
+
 
 @dataclass
 class ParallelConfig:
     """Parallel layout; data-parallel size is what is left of the world size."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None  # null = tensor_model_parallel_size
-    context_parallel_size: int = 1
+    tensor_model_parallel_size: int = ranged(1, ge=1)
+    pipeline_model_parallel_size: int = ranged(1, ge=1)
+    expert_model_parallel_size: int = ranged(1, ge=1)
+    expert_tensor_parallel_size: Optional[int] = ranged(None, ge=1)  # null = tensor_model_parallel_size
+    context_parallel_size: int = ranged(1, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False

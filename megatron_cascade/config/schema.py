@@ -7,47 +7,77 @@ sections of the same name, merged (and type-checked) by ``config.loader``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from megatron_cascade.config.model import ModelConfig, ParallelConfig
+from megatron_cascade.config.rules import Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 
 STAGE_TYPES = ("sft", "grpo", "mopd")
+
+
+class OverlongPolicy(Choice):
+    zero = "zero"  # an unfinished response gets reward 0
+    mask = "mask"  # an unfinished response is left out of the loss
+
+
+class AdvantageBaseline(Choice):
+    mean = "mean"
+    leave_one_out = "leave_one_out"
+
+
+class AdvantageStd(Choice):
+    sample = "sample"  # n - 1: verl, NeMo-RL, TRL
+    population = "population"  # n
+
+
+class OnBadRow(Choice):
+    skip = "skip"  # report file:line and go on
+    error = "error"  # stop at the first bad row
 
 
 @dataclass
 class RolloutConfig:
     """Sampling for training rollouts (evaluation uses ``eval``)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_strings: List[str] = field(default_factory=list)
-    overlong_policy: str = "zero"  # unfinished responses: zero (reward 0) | mask (left out of the loss)
+    # The trainer's log-probs are of softmax(logits / temperature): > 0 (greedy decoding is eval-only).
+    temperature: float = ranged(1.0, gt=0, why="the trainer divides the logits by it; greedy is eval.temperature: 0")
+    top_p: float = ranged(1.0, gt=0, le=1)  # 1 = off
+    top_k: int = ranged(0, ge=0)  # 0 = off
+    max_new_tokens: int = ranged(64, ge=1)  # < model.max_position_embeddings
+    stop_strings: List[str] = checked(all, "must not contain an empty string (it would end every response at once)",
+                                      default_factory=list)
+    overlong_policy: OverlongPolicy = OverlongPolicy.zero  # unfinished responses: zero (reward 0) | mask (no loss)
     filter_uninformative_groups: bool = True  # drop groups whose rewards are all equal
     # Dynamic sampling (DAPO, NeMo-RL): after filtering, generate groups for further prompts until
     # prompts_per_step informative groups are collected, in at most this many generation rounds per step
     # (1 = off: the step trains on whatever survived the filter). Needs filter_uninformative_groups.
-    dynamic_sampling_max_rounds: int = 1
+    dynamic_sampling_max_rounds: int = ranged(1, ge=1)
     std_normalize_advantages: bool = True
-    advantage_baseline: str = "mean"  # mean | leave_one_out
-    advantage_std: str = "sample"  # sample (n - 1: verl, NeMo-RL, TRL) | population (n)
+    advantage_baseline: AdvantageBaseline = AdvantageBaseline.mean  # mean | leave_one_out
+    advantage_std: AdvantageStd = AdvantageStd.sample  # sample (n - 1: verl, NeMo-RL, TRL) | population (n)
     # Paged KV cache of generation, per rank: a byte budget, or (null) kv_cache_fraction of the free
     # device memory (on CPU: available RAM) when generation starts. Requests that do not fit wait.
-    kv_cache_bytes: Optional[int] = None
-    kv_cache_fraction: float = 0.5
-    kv_block_size_tokens: int = 256  # flash-attn 2 paged kernels (GPU) need a multiple of 256
+    kv_cache_bytes: Optional[int] = ranged(None, gt=0, why="or null: rollout.kv_cache_fraction of the free memory")
+    kv_cache_fraction: float = ranged(0.5, gt=0, le=1)
+    kv_block_size_tokens: int = ranged(256, ge=1)  # flash-attn 2 paged kernels (GPU) need a multiple of 256
+
+    def validate(self, prefix: str = "rollout.") -> None:
+        """Rules between the rollout fields (``ConfigError`` naming the keys)."""
+        require(self.dynamic_sampling_max_rounds == 1 or self.filter_uninformative_groups,
+                f"{prefix}dynamic_sampling_max_rounds > 1 replaces filtered groups: it needs "
+                f"{prefix}filter_uninformative_groups: true")
 
 
 @dataclass
 class RewardSpec:
     """A reward from the registry (or a dotted path ``pkg.module:function``) and its keyword args."""
 
-    name: str = "math"
+    name: str = checked(bool, "must name a reward (registry name or pkg.module:function)", default="math")
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 30.0  # a call running longer scores 0 and is counted as an error
+    timeout_s: float = ranged(30.0, gt=0)  # a call running longer scores 0 and is counted as an error
 
 
 @dataclass
@@ -58,7 +88,7 @@ class RewardsConfig:
     # the normaliser and its group's advantage statistics). A step in which more than this fraction of
     # all samples (every data-parallel rank) is invalid stops the run before the optimizer step:
     # a reward server outage must not train the policy on zeros.
-    max_error_frac: float = 0.5
+    max_error_frac: float = ranged(0.5, ge=0, le=1, why="1 never stops the run")
 
 
 @dataclass
@@ -73,8 +103,8 @@ class DomainConfig:
 
 @dataclass
 class DataConfig:
-    on_bad_row: str = "skip"  # skip (report file:line and go on) | error (stop at the first bad row)
-    max_prompt_tokens: int = 512  # longer prompts are bad rows
+    on_bad_row: OnBadRow = OnBadRow.skip  # skip (report file:line and go on) | error (stop at the first bad row)
+    max_prompt_tokens: int = ranged(512, ge=1)  # longer prompts are bad rows
 
 
 @dataclass
@@ -82,20 +112,26 @@ class EvalConfig:
     """Held-out evaluation after every stage (stage x domain table in the manifest)."""
 
     enabled: bool = True
-    max_prompts: int = 64  # per domain
-    max_new_tokens: Optional[int] = None  # null = rollout.max_new_tokens
-    temperature: float = 0.0  # 0 = greedy pass@1
-    samples: int = 1
+    max_prompts: int = ranged(64, ge=1)  # per domain
+    max_new_tokens: Optional[int] = ranged(None, ge=1)  # null = rollout.max_new_tokens
+    temperature: float = ranged(0.0, ge=0)  # 0 = greedy pass@1
+    samples: int = ranged(1, ge=1)  # per prompt (pass@1 is their mean)
+
+    def validate(self, prefix: str = "eval.") -> None:
+        """Rules between the eval fields (``ConfigError`` naming the keys)."""
+        require(self.samples == 1 or self.temperature > 0,
+                f"{prefix}samples={self.samples} with {prefix}temperature=0 scores the same greedy answer "
+                f"{self.samples} times: set {prefix}samples: 1 or a temperature > 0")
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 10  # 0 = only at the end of a stage (and on a preemption signal)
-    keep_last: int = 2
+    every_steps: int = ranged(10, ge=0)  # 0 = only at the end of a stage (and on a preemption signal)
+    keep_last: int = ranged(2, ge=0)  # training checkpoints kept per stage; 0 = all
     # Under Slurm, seconds kept free before the job's end time for the final checkpoint and exit: a
     # step that (at the longest recent step time) would end inside this margin is not started; the run
     # checkpoints and exits 75 (requeue) instead. Size it to a checkpoint write plus shutdown.
-    time_limit_margin_s: float = 600.0
+    time_limit_margin_s: float = ranged(600.0, ge=0)
 
 
 @dataclass
@@ -105,7 +141,7 @@ class DistributedConfig:
     # Collective timeout of the process group and of every Megatron group: a rank that waits longer
     # than this in one collective fails the job. RL ranks wait on others through whole generations
     # and reward scoring (long responses, remote judges), far past torch's 10/30-minute defaults.
-    timeout_minutes: float = 120.0
+    timeout_minutes: float = ranged(120.0, gt=0)
 
 
 @dataclass
@@ -118,9 +154,9 @@ class LoggingConfig:
 class ClusterConfig:
     """The machine a dry run plans for (a real run uses the processes it was launched with)."""
 
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0
+    nodes: int = ranged(1, ge=1)
+    gpus_per_node: int = ranged(8, ge=1)
+    gpu_memory_gib: float = ranged(80.0, gt=0)
     # Whether the cluster's Python has Transformer Engine (pip install .[gpu]). The dry run then plans
     # the TE layer spec (fused attention keeps no [s x s] scores; FP8 allowed); false: the local spec,
     # whose attention materialises the scores, and FP8 refused.
@@ -133,9 +169,9 @@ class StageConfig:
 
     name: str = "???"
     type: str = "grpo"  # sft | grpo | mopd
-    steps: int = 10
-    prompts_per_step: int = 16  # global, over all data-parallel ranks
-    samples_per_prompt: int = 4  # G (sft: ignored)
+    steps: int = ranged(10, ge=1)
+    prompts_per_step: int = ranged(16, ge=1)  # global, over all data-parallel ranks
+    samples_per_prompt: int = ranged(4, ge=1)  # G (sft: ignored; grpo: >= 2, a group of one has no signal)
     domains: Dict[str, float] = field(default_factory=dict)  # domain -> sampling weight
     teachers: Dict[str, str] = field(default_factory=dict)  # mopd: domain -> stage name or weights dir
     optimizer: Optional[Dict[str, Any]] = None
@@ -143,14 +179,26 @@ class StageConfig:
     training: Optional[Dict[str, Any]] = None
     rollout: Optional[Dict[str, Any]] = None
 
+    def validate(self, prefix: str) -> None:
+        """Rules between the stage's own fields (names and teachers are checked against the run)."""
+        for domain, weight in self.domains.items():
+            require(math.isfinite(weight) and weight > 0,
+                    f"{prefix}domains.{domain}={weight} must be > 0 (a sampling weight)")
+        # GRPO advantages compare the responses of a group: a group of one is all zeros.
+        require(self.type != "grpo" or self.samples_per_prompt >= 2,
+                f"{prefix}samples_per_prompt={self.samples_per_prompt}: a grpo stage needs >= 2 responses per "
+                "prompt (a group of one has advantage 0 and trains nothing)")
+
 
 @dataclass
 class RunConfig:
     """A whole cascade run."""
 
-    output_dir: str = "???"
-    seed: int = 1234
-    tokenizer: str = "builtin:char"  # builtin:char | local Hugging Face tokenizer folder
+    output_dir: str = checked(bool, "must name a folder", default="???")
+    # The stage RNGs and the data mixer derive their seeds from it (seed * 1_000_003 + step must fit in 64 bits).
+    seed: int = ranged(1234, ge=0, lt=2**32)
+    # builtin:char | a local Hugging Face tokenizer folder
+    tokenizer: str = checked(bool, "must name a tokenizer", default="builtin:char")
     init_checkpoint: Optional[str] = None  # weights dir (or converted HF) to start from; null = random
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

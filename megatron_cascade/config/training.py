@@ -1,53 +1,107 @@
-"""Schema of the ``optimizer``, ``loss`` and ``training`` config sections (their single home of defaults)."""
+"""Schema of the ``optimizer``, ``loss`` and ``training`` config sections (their single home of defaults).
+
+Each field carries its valid values (a ``Choice`` enum or a ``ranged`` rule); ``validate`` methods
+hold the rules between fields of a section, ``validate_optimizer_config`` the one with the model.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
+
+from megatron_cascade.config.model import ModelConfig
+from megatron_cascade.config.rules import Choice, ConfigError, ranged, require, validate_tree
+
+
+class LrDecayStyle(Choice):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class ImportanceCorrection(Choice):
+    icepop = "icepop"  # weight 0 outside [is_low, is_high] (ICE-POP)
+    truncate = "truncate"  # weight min(ratio, is_high)
+    none = "none"
+
+
+class MopdNormalization(Choice):
+    sequence = "sequence"
+    token = "token"
+
+
+_LOSS_SCALE_KEYS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
 @dataclass
 class OptimizerConfig:
     """AdamW with warmup and decay; a fresh one is built at the start of every stage."""
 
-    lr: float = 3e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # max global grad norm; 0 = no clipping
-    lr_warmup_steps: int = 0
-    lr_warmup_init: float = 0.0  # lr at step 0 of the warmup (MOPD: 2e-7 -> 2e-6 over 30 steps)
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    lr_decay_steps: Optional[int] = None  # null = the stage's number of steps
+    lr: float = ranged(3e-6, ge=0)
+    min_lr: float = ranged(0.0, ge=0)  # <= lr
+    weight_decay: float = ranged(0.0, ge=0)
+    adam_beta1: float = ranged(0.9, ge=0, lt=1)
+    adam_beta2: float = ranged(0.95, ge=0, lt=1)
+    adam_eps: float = ranged(1e-8, gt=0)
+    clip_grad: float = ranged(1.0, ge=0)  # max global grad norm; 0 = no clipping
+    lr_warmup_steps: int = ranged(0, ge=0)
+    lr_warmup_init: float = ranged(0.0, ge=0)  # lr at step 0 of the warmup (MOPD: 2e-7 -> 2e-6 over 30 steps)
+    lr_decay_style: LrDecayStyle = LrDecayStyle.constant
+    lr_decay_steps: Optional[int] = ranged(None, ge=1)  # null = the stage's number of steps
     # fp16 loss scaling (model.precision=fp16 only): the loss is multiplied by the scale before the
     # backward pass so small gradients survive fp16; a step whose gradients overflow is skipped and
     # the scale halved (after `hysteresis` overflows); it doubles after `loss_scale_window` clean steps.
-    loss_scale: Optional[float] = None  # a fixed scale; null = dynamic
-    initial_loss_scale: float = 65536.0  # 2^16: each skipped step wastes a whole rollout batch in RL
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    loss_scale: Optional[float] = ranged(None, gt=0, why="or null for a dynamic scale")  # a fixed scale
+    initial_loss_scale: float = ranged(65536.0, gt=0)  # 2^16: each skipped step wastes a whole rollout batch in RL
+    min_loss_scale: float = ranged(1.0, gt=0)  # <= initial_loss_scale
+    loss_scale_window: int = ranged(1000, ge=1)
+    hysteresis: int = ranged(2, ge=1)
+
+    def validate(self, prefix: str = "optimizer.") -> None:
+        """Rules between the optimizer fields (``ConfigError`` naming the keys)."""
+        require(self.min_lr <= self.lr, f"{prefix}min_lr={self.min_lr} must be in [0, {prefix}lr={self.lr}]")
+        require(self.lr_warmup_init <= self.lr,
+                f"{prefix}lr_warmup_init={self.lr_warmup_init} must be in [0, {prefix}lr={self.lr}]")
+        require(self.min_loss_scale <= self.initial_loss_scale, f"{prefix}min_loss_scale={self.min_loss_scale} "
+                f"must be in (0, {prefix}initial_loss_scale={self.initial_loss_scale}]")
+
+
+def validate_optimizer_config(optim: OptimizerConfig, model_cfg: ModelConfig | None = None,
+                              prefix: str = "optimizer.") -> None:
+    """Raise ``ConfigError`` naming the key for impossible optimizer settings.
+
+    With ``model_cfg``, also refuse fp16 loss-scale settings on a model that is not fp16 (they
+    would do nothing).
+    """
+    validate_tree(optim, prefix)
+    if model_cfg is None or model_cfg.precision == "fp16":
+        return
+    defaults = {f.name: f.default for f in fields(OptimizerConfig)}
+    changed = [k for k in _LOSS_SCALE_KEYS if getattr(optim, k) != defaults[k]]
+    if changed:
+        raise ConfigError(f"{prefix}{changed[0]} sets fp16 loss scaling, but model.precision="
+                          f"{model_cfg.precision!r}: loss scaling applies to model.precision=fp16 only")
 
 
 @dataclass
 class LossConfig:
     """GRPO / MOPD loss settings (see algorithms/grpo.py and algorithms/mopd.py)."""
 
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    importance_correction: str = "icepop"  # icepop (weight 0 outside bounds) | truncate | none
-    is_low: float = 0.5  # bounds of pi_train / pi_infer
-    is_high: float = 2.0
-    kl_coef: float = 0.0  # k3 KL to the stage's starting weights (RLHF: 0.03)
-    mopd_normalization: str = "sequence"  # sequence | token
+    # PPO ratio clip [1 - clip_eps_low, 1 + clip_eps_high]; 0 would pin the ratio to 1 after the first epoch.
+    clip_eps_low: float = ranged(0.2, gt=0, lt=1, why="1 - clip_eps_low is the ratio's lower clip, > 0")
+    clip_eps_high: float = ranged(0.2, gt=0)
+    importance_correction: ImportanceCorrection = ImportanceCorrection.icepop
+    # Bounds of pi_train / pi_infer, around 1 (is_low <= 1 <= is_high: on-policy tokens are kept).
+    is_low: float = ranged(0.5, ge=0, le=1)
+    is_high: float = ranged(2.0, ge=1)
+    kl_coef: float = ranged(0.0, ge=0)  # k3 KL to the stage's starting weights (RLHF: 0.03)
+    mopd_normalization: MopdNormalization = MopdNormalization.sequence
 
 
 @dataclass
 class TrainingConfig:
     """How one rollout batch is turned into optimizer steps."""
 
-    micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
-    ppo_epochs: int = 1  # 1 = strictly on-policy (one optimizer step per rollout batch)
+    micro_batch_size: int = ranged(4, ge=1)  # sequences per micro-batch per data-parallel rank
+    ppo_epochs: int = ranged(1, ge=1)  # 1 = strictly on-policy (one optimizer step per rollout batch)
     skip_nonfinite_steps: bool = True  # skip (and log) a step whose gradients hold NaN/inf

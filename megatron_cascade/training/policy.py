@@ -10,17 +10,14 @@ optimizer is built: weights loaded into the model later must be pushed into them
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
-from megatron_cascade.config.training import OptimizerConfig
+from megatron_cascade.config.model import ModelConfig, ParallelConfig
+from megatron_cascade.config.training import OptimizerConfig, validate_optimizer_config
 from megatron_cascade.model import build_gpt_model, load_model_weights
 from megatron_cascade.model.builder import params_dtype
-
-_DECAY_STYLES = ("constant", "linear", "cosine")
-_LOSS_SCALE_KEYS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
 @dataclass
@@ -118,40 +115,6 @@ def build_policy(model_cfg: ModelConfig, parallel: ParallelConfig, optim: Optimi
     config.grad_scale_func = optimizer.scale_loss
     scheduler = _build_scheduler(optimizer, optim, total_steps)
     return Policy([ddp], optimizer, scheduler, model_cfg, parallel)
-
-
-def validate_optimizer_config(optim: OptimizerConfig, model_cfg: ModelConfig | None = None) -> None:
-    """Raise ``ConfigError`` naming the key for impossible optimizer settings.
-
-    With ``model_cfg``, also refuse fp16 loss-scale settings on a model that is not fp16 (they
-    would do nothing).
-    """
-    if optim.lr_decay_style not in _DECAY_STYLES:
-        raise ConfigError(f"optimizer.lr_decay_style={optim.lr_decay_style!r} is not one of {list(_DECAY_STYLES)}")
-    if not 0 <= optim.min_lr <= optim.lr:
-        raise ConfigError(f"optimizer.min_lr={optim.min_lr} must be in [0, optimizer.lr={optim.lr}]")
-    if not 0 <= optim.lr_warmup_init <= optim.lr:
-        raise ConfigError(f"optimizer.lr_warmup_init={optim.lr_warmup_init} must be in [0, optimizer.lr={optim.lr}]")
-    if optim.lr_warmup_steps < 0 or optim.clip_grad < 0 or optim.weight_decay < 0:
-        raise ConfigError("optimizer.lr_warmup_steps, optimizer.clip_grad and optimizer.weight_decay must be >= 0")
-    _validate_loss_scale(optim, model_cfg)
-
-
-def _validate_loss_scale(optim: OptimizerConfig, model_cfg: ModelConfig | None) -> None:
-    if optim.loss_scale is not None and optim.loss_scale <= 0:
-        raise ConfigError(f"optimizer.loss_scale={optim.loss_scale} must be > 0 (or null for a dynamic scale)")
-    if not 0 < optim.min_loss_scale <= optim.initial_loss_scale:
-        raise ConfigError(f"optimizer.min_loss_scale={optim.min_loss_scale} must be in "
-                          f"(0, optimizer.initial_loss_scale={optim.initial_loss_scale}]")
-    if optim.loss_scale_window < 1 or optim.hysteresis < 1:
-        raise ConfigError("optimizer.loss_scale_window and optimizer.hysteresis must be >= 1")
-    if model_cfg is None or model_cfg.precision == "fp16":
-        return
-    defaults = {f.name: f.default for f in fields(OptimizerConfig)}
-    changed = [k for k in _LOSS_SCALE_KEYS if getattr(optim, k) != defaults[k]]
-    if changed:
-        raise ConfigError(f"optimizer.{changed[0]} sets fp16 loss scaling, but model.precision="
-                          f"{model_cfg.precision!r}: loss scaling applies to model.precision=fp16 only")
 
 
 def _build_optimizer(ddp, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimizerConfig):

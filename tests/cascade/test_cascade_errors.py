@@ -96,6 +96,29 @@ def test_malformed_row_is_fatal_when_configured(tmp_path):
         load_examples(str(path), "math", build_tokenizer("builtin:char"), on_bad_row="error")
 
 
+def _write_invalid_utf8(path):
+    """Row 2 holds a lone continuation byte (0x80), row 4 a truncated 3-byte sequence: not UTF-8."""
+    path.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "2+\x80"}\n\n{"prompt": "\xe2\x82"}\n{"prompt": "3+1="}\n')
+
+
+def test_invalid_utf8_row_is_reported_with_file_and_line_and_skipped(tmp_path, caplog):
+    path = tmp_path / "math.jsonl"
+    _write_invalid_utf8(path)
+    with caplog.at_level(logging.WARNING):
+        examples = load_examples(str(path), "math", build_tokenizer("builtin:char"))
+    assert [(e.row["prompt"], e.source.rsplit(":", 1)[1]) for e in examples] == [("1+1=", "1"), ("3+1=", "5")]
+    assert "math.jsonl:2: skipping bad row: not valid UTF-8: byte 0x80 at column 15" in caplog.text
+    assert "math.jsonl:4: skipping bad row: not valid UTF-8: byte 0xe2 at column 13" in caplog.text
+    assert "2 bad row(s) skipped, 2 used" in caplog.text
+
+
+def test_invalid_utf8_row_is_fatal_when_configured(tmp_path):
+    path = tmp_path / "math.jsonl"
+    _write_invalid_utf8(path)
+    with pytest.raises(DataError, match=r"math.jsonl:2: not valid UTF-8"):
+        load_examples(str(path), "math", build_tokenizer("builtin:char"), on_bad_row="error")
+
+
 def test_sft_rows_need_a_response(tmp_path):
     path = tmp_path / "m.jsonl"
     _write_rows(path, [{"prompt": "1+1="}])

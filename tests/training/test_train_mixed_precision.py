@@ -128,7 +128,7 @@ def test_fp16_overflow_skips_steps_and_lowers_the_loss_scale_until_steps_go_thro
 
 def test_loss_scale_keys_are_refused_without_fp16():
     from megatron_cascade.config import ConfigError
-    from megatron_cascade.training.policy import validate_optimizer_config
+    from megatron_cascade.config.training import validate_optimizer_config
 
     with pytest.raises(ConfigError, match=r"optimizer.initial_loss_scale.*model.precision=fp16 only"):
         validate_optimizer_config(OptimizerConfig(initial_loss_scale=1024.0), MODEL)
