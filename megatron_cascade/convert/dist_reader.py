@@ -10,11 +10,11 @@ earlier version is read under those.
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import replace
 
 import torch
 
+from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
 from megatron_cascade.convert.dist_writer import METADATA_FILE, Placement, placement_of
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
@@ -22,15 +22,18 @@ from megatron_cascade.model.spec_layout import legacy_key
 
 
 def read_dist_metadata(ckpt_dir: str):
-    """The DCP ``Metadata`` of a distributed checkpoint (keys, global shapes, dtypes); no tensor is read."""
+    """The DCP ``Metadata`` of a distributed checkpoint (keys, global shapes, dtypes); no tensor is read.
+
+    Unpickled with an allow-list (``checkpoint_safety``): a ``.metadata`` that would run code, or is
+    corrupt, raises ``ConversionError`` naming it.
+    """
     path = os.path.join(ckpt_dir, METADATA_FILE)
     if not os.path.isfile(path):
         raise ConversionError(f"{ckpt_dir} is not a Megatron distributed checkpoint: {METADATA_FILE} missing")
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
-        raise ConversionError(f"{path} is corrupt ({type(exc).__name__}: {exc}); re-copy the checkpoint") from exc
+        return read_dcp_metadata(ckpt_dir)
+    except UnsafeCheckpointError as exc:
+        raise ConversionError(str(exc)) from None
 
 
 def _region_planner(placements: dict[str, Placement]):
@@ -91,13 +94,19 @@ class DistCheckpointReader:
         """{name: whole TP=1 tensor in its stored dtype} for the module names ``names``."""
         import torch.distributed.checkpoint as dcp
 
+        from megatron_cascade.checkpoint_safety.megatron_load import SafeFileSystemReader
+
         state = {}
         for name in names:
             shape = self.skeleton.local_shape(name)
             state[name] = torch.empty((1,) * self.placements[name].prepend + shape, dtype=self.dtype_of(name))
+        reader = SafeFileSystemReader(self.ckpt_dir)  # the allow-listed .metadata, spans checked against files
         try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(self.ckpt_dir),
-                     planner=_region_planner(self.placements), no_dist=True)
+            reader.read_metadata()
+        except UnsafeCheckpointError as exc:
+            raise ConversionError(str(exc)) from None
+        try:
+            dcp.load(state, storage_reader=reader, planner=_region_planner(self.placements), no_dist=True)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the directory
             raise ConversionError(f"could not read {names[:3]} from {self.ckpt_dir}: {type(exc).__name__}: {exc}; "
                                   "a data file may be missing or truncated") from exc

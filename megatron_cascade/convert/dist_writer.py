@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from megatron_cascade.checkpoint_safety import read_dcp_metadata
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
@@ -125,8 +126,7 @@ class DistCheckpointWriter:
 
 def _read_part(part: str, tag: str, out_dir: str):
     """A part's DCP metadata, its data files moved to ``out_dir`` as ``__{tag}_{n}.distcp``."""
-    with open(os.path.join(part, METADATA_FILE), "rb") as f:
-        meta = pickle.load(f)
+    meta = read_dcp_metadata(part)  # written just now by dcp.save; read like any other (allow-listed)
     renames = {}
     for name in os.listdir(part):
         if name.endswith(".distcp"):

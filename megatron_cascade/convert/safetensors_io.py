@@ -2,14 +2,17 @@
 
 The reader parses each file's header itself (8-byte little-endian length + JSON) and reads a tensor
 with one ``seek`` + ``readinto``: memory holds only the tensors asked for, never a whole file.
-Missing shards and truncated files are reported with the file named, before any tensor is read.
+Missing shards, truncated files and forged headers (lengths, dtypes, spans that do not add up) are
+reported with the file named, before any tensor is read or any buffer sized from the header.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +25,11 @@ SINGLE_FILE = "model.safetensors"
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+# The safetensors format's own limit on the JSON header (bytes); a larger one is forged.
+MAX_HEADER_BYTES = 100_000_000
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -42,7 +48,10 @@ class TensorInfo:
 def read_header(path: str) -> dict[str, TensorInfo]:
     """Parse and validate the header of one safetensors file: {tensor name: TensorInfo}.
 
-    Raises ``ConversionError`` naming ``path`` if it is missing, not safetensors, or truncated.
+    Checked before anything is allocated from it: the header length against the file size (and
+    ``MAX_HEADER_BYTES``), the JSON (an object, no repeated names), each tensor's dtype (known),
+    shape (non-negative ints), byte span (``shape`` x dtype size bytes, inside the data section, not
+    overlapping another). Raises ``ConversionError`` naming ``path`` (and the tensor) otherwise.
     """
     if not os.path.isfile(path):
         raise ConversionError(f"safetensors file {path} does not exist; re-download or re-export the checkpoint")
@@ -55,22 +64,84 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         if header_len > size - 8:
             raise ConversionError(f"{path} is truncated or not safetensors: header of {header_len} bytes, "
                                   f"file of {size}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConversionError(f"{path} has a corrupt safetensors header: {exc}") from exc
-    base = 8 + header_len
-    infos = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        infos[name] = TensorInfo(name, path, meta["dtype"], tuple(meta["shape"]), base + start, base + end)
-    data_end = max((i.end for i in infos.values()), default=base)
-    if data_end > size:
-        raise ConversionError(f"{path} is truncated: its header needs {data_end} bytes, the file has {size}; "
-                              "re-download or re-export it")
+        if header_len > MAX_HEADER_BYTES:
+            raise ConversionError(f"{path} is not a valid safetensors file: header of {header_len} bytes, "
+                                  f"more than the format's limit of {MAX_HEADER_BYTES}")
+        raw = f.read(header_len)
+    header = _parse_header_json(raw, path)
+    infos = {name: _tensor_info(name, meta, path, 8 + header_len, size)
+             for name, meta in header.items() if name != "__metadata__"}
+    if not isinstance(header.get("__metadata__", {}), dict):
+        raise ConversionError(f"{path} has a corrupt safetensors header: __metadata__ is not an object")
+    _check_no_overlap(infos, path)
     return infos
+
+
+def _parse_header_json(raw: bytes, path: str) -> dict:
+    def no_repeats(pairs: list[tuple[str, object]]) -> dict:
+        repeated = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        if repeated:
+            raise ConversionError(f"{path} has a corrupt safetensors header: {repeated[:3]} listed twice")
+        return dict(pairs)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_repeats)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ConversionError(f"{path} has a corrupt safetensors header: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path} has a corrupt safetensors header: a JSON {type(header).__name__}, "
+                              "not an object")
+    return header
+
+
+def _tensor_info(name: str, meta: object, path: str, base: int, size: int) -> TensorInfo:
+    """The validated ``TensorInfo`` of header entry ``name`` (data section from byte ``base`` to ``size``)."""
+    def bad(problem: str) -> ConversionError:
+        return ConversionError(f"{path} has a corrupt safetensors header: tensor {name!r} {problem}; "
+                               "re-download or re-export the checkpoint")
+
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+        raise bad("lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"has shape {shape!r}, not a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    start, end = offsets
+    need = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - start != need:
+        raise bad(f"spans {end - start} bytes, its shape {shape} of {dtype} needs {need}")
+    if base + end > size:
+        raise ConversionError(f"{path} is truncated: tensor {name!r} needs bytes up to {base + end}, the file has "
+                              f"{size}; re-download or re-export it")
+    return TensorInfo(name, path, dtype, tuple(shape), base + start, base + end)
+
+
+def _check_no_overlap(infos: dict[str, TensorInfo], path: str) -> None:
+    spans = sorted((i.start, i.end, i.name) for i in infos.values() if i.end > i.start)
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        if start < end:
+            raise ConversionError(f"{path} has a corrupt safetensors header: tensors {before!r} and {after!r} "
+                                  "share bytes; re-download or re-export the checkpoint")
+
+
+def _read_weight_map(index: str) -> dict[str, str]:
+    """{tensor: shard file name} of ``model.safetensors.index.json``; shards must lie in its directory."""
+    try:
+        with open(index, "rb") as f:
+            weight_map = json.loads(f.read().decode("utf-8")).get("weight_map", {})
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError) as exc:
+        raise ConversionError(f"{index} is not a valid safetensors index ({type(exc).__name__}: {exc})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConversionError(f"{index}: weight_map is not an object of tensor name -> shard file name")
+    for name in set(weight_map.values()):
+        if name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+            raise ConversionError(f"{index} names shard {name!r}, which is not a file name inside "
+                                  f"{os.path.dirname(index)}; shards must lie next to the index")
+    return weight_map
 
 
 class SafetensorsReader:
@@ -80,14 +151,17 @@ class SafetensorsReader:
         self.directory = directory
         self.tensors: dict[str, TensorInfo] = {}
         for path in self._files():
-            self.tensors.update(read_header(path))
+            infos = read_header(path)
+            twice = sorted(set(infos) & set(self.tensors))
+            if twice:
+                raise ConversionError(f"tensor {twice[0]!r} is in both {self.tensors[twice[0]].file} and {path}; "
+                                      "the checkpoint mixes two exports: re-download it")
+            self.tensors.update(infos)
 
     def _files(self) -> list[str]:
         index = os.path.join(self.directory, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(_read_weight_map(index).values()))
             for name in files:
                 if not os.path.isfile(os.path.join(self.directory, name)):
                     raise ConversionError(f"{index} names shard {name}, which is missing from {self.directory}; "

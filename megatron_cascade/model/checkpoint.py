@@ -6,7 +6,9 @@ of ``spec_layout``, so weights saved from the local spec on CPU load into the TE
 Loading into a model of another architecture fails before any tensor is read, naming the fields that
 differ; a checkpoint that lacks a tensor the model needs, holds one at another shape, or holds one the
 model does not have fails too, naming the tensors (no silent partial loads). Only ``_extra_state``
-objects (TE FP8 metadata, no weights) may be absent or unknown.
+objects (TE FP8 metadata, no weights) may be absent or unknown. No file of the checkpoint can run
+code: ``.metadata`` is read with an allow-list, objects and ``common.pt`` with ``weights_only``
+(``checkpoint_safety``); a file that would is refused with ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict, is_extra_state, resolve_legacy_keys
 
@@ -141,6 +144,8 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from megatron_cascade.checkpoint_safety.megatron_load import safe_load_strategies
+
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
     check_architecture(ckpt_dir, model_config)
@@ -151,11 +156,15 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
     request = {k: v for k, v in request.items() if not (_is_object(v) and is_extra_state(v.key)
                                                          and v.unique_key not in stored)}
     _check_tensors(request, tensors, ckpt_dir)
+    sharded_strategy, common_strategy = safe_load_strategies()  # no file of the checkpoint may run code
     try:
         # Mismatches were checked above; unread checkpoint _extra_state (TE norms into the local spec) is fine.
-        state = dist_checkpointing.load(request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        state = dist_checkpointing.load(request, ckpt_dir, sharded_strategy=sharded_strategy,
+                                        common_strategy=common_strategy, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     except CheckpointError:
         raise
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
         raise CheckpointError(f"could not load weights from {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
     model.load_state_dict(state, strict=False)
@@ -168,8 +177,12 @@ def _stored_metadata(ckpt_dir: str) -> dict[str, Any]:
     """{tensor key or object unique key: metadata entry} of a distributed checkpoint (no data is read)."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+    from megatron_cascade.checkpoint_safety.megatron_load import safe_load_strategies
+
     try:
-        return load_sharded_metadata(ckpt_dir)
+        return load_sharded_metadata(ckpt_dir, *safe_load_strategies())
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - any failure here means an unreadable checkpoint
         raise CheckpointError(f"{ckpt_dir} is not a readable distributed checkpoint: "
                               f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,82 @@
+"""Unpickling that constructs only allow-listed classes: a hostile pickle is refused, never run.
+
+A pickle can name any importable callable (``os.system``, ``builtins.exec``) and call it while it is
+read. ``restricted_loads`` resolves every global through an allow-list of pure data classes and
+lookup functions, so a pickle naming anything else is refused with ``UnsafeCheckpointError`` before
+anything is called. The whole file is read into memory first: a forged length field inside the pickle
+then asks for at most what the file holds (a file stream would pre-allocate whatever it says).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any, Callable, Iterable
+
+# Refuse metadata files larger than this (bytes): a DCP ``.metadata`` is a few MB even for 100B-parameter
+# models at thousands of ranks; a multi-GB one is not a checkpoint we wrote.
+MAX_PICKLE_BYTES = 1 << 30
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file would run code when read, or is not what it claims to be; the message names it."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose globals come only from ``allowed`` (else ``UnsafeCheckpointError``)."""
+
+    def __init__(self, data: bytes, allowed: Callable[[str, str], Any], path: str):
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = self._allowed(module, name)
+        if obj is None:
+            raise UnsafeCheckpointError(
+                f"{self._path} is not a plain-data checkpoint file: it asks to load {module}.{name}, which is not "
+                "allowed (it could run code); refusing to read it. Re-create the checkpoint with megatron-cascade "
+                "or take it from a source you trust")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self._path}: unexpected persistent id {pid!r} in a metadata pickle")
+
+
+def read_limited(path: str, limit: int = MAX_PICKLE_BYTES) -> bytes:
+    """The bytes of ``path``; ``UnsafeCheckpointError`` if it is larger than ``limit`` bytes."""
+    size = os.path.getsize(path)
+    if size > limit:
+        raise UnsafeCheckpointError(f"{path} is {size} bytes, more than the {limit} a metadata file may have")
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def restricted_loads(data: bytes, allowed: Callable[[str, str], Any], path: str) -> Any:
+    """Unpickle ``data`` (read from ``path``, named in errors) resolving globals only via ``allowed``.
+
+    ``allowed(module, name)`` returns the object to use for that global, or None to refuse it.
+    Raises ``UnsafeCheckpointError`` for a refused global and for any malformed pickle.
+    """
+    try:
+        return _AllowListUnpickler(data, allowed, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 - any failure means a corrupt file
+        raise UnsafeCheckpointError(f"{path} is not a readable checkpoint metadata file "
+                                    f"({type(exc).__name__}: {exc}); re-copy the checkpoint") from exc
+
+
+def allow_list(entries: Iterable[tuple[str, str]]) -> Callable[[str, str], Any]:
+    """An ``allowed`` function for exactly the globals ``(module, name)`` in ``entries`` (imported on demand)."""
+    import importlib
+
+    table = frozenset(entries)
+
+    def allowed(module: str, name: str) -> Any:
+        if (module, name) not in table:
+            return None
+        return getattr(importlib.import_module(module), name)
+
+    return allowed

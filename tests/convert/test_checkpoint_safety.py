@@ -1,0 +1,172 @@
+"""A hostile checkpoint runs no code: every pickle a load path meets is refused unless it holds plain data.
+
+The attack: a checkpoint file that is a pickle whose ``__reduce__`` calls ``os.system`` (here: it
+creates a marker file). Before the fix each entry point below ran it (the marker appeared):
+``convert inspect`` and ``convert megatron-to-hf`` (``.metadata``), ``init_checkpoint``/teacher loads
+(``.metadata``; an ``_extra_state`` object in a ``.distcp`` data file, unpickled by torch's default
+load planner with ``weights_only=False``), resume (the optimizer's ``.metadata``; its ``common.pt``
+when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set). Now each gives an error naming the file and the
+marker never appears. Legit checkpoints keep loading (the existing convert and resume tests).
+"""
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from megatron_cascade.config import ModelConfig, ParallelConfig
+from megatron_cascade.config.training import OptimizerConfig
+from megatron_cascade.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100,
+                    ffn_hidden_size=64)
+OPTIM = OptimizerConfig(lr=1e-2)
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _save_worker(root: str) -> None:
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import build_policy
+    from megatron_cascade.training.checkpoint import save_training_checkpoint
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    save_training_checkpoint(root, 1, build_policy(MODEL, ParallelConfig(), OPTIM, total_steps=2), {}, 1)
+
+
+@pytest.fixture(scope="module")
+def legit(tmp_path_factory) -> str:
+    """A training checkpoint (weights/, optim/, rng/, state.json) written by our code."""
+    root = str(tmp_path_factory.mktemp("legit"))
+    run_distributed(_save_worker, 1, root)
+    return os.path.join(root, "step_00000001")
+
+
+def _copy(legit: str, tmp_path) -> str:
+    out = str(tmp_path / "ckpt")
+    shutil.copytree(legit, out)
+    return out
+
+
+def _poison_metadata(dist_dir: str, marker: str) -> str:
+    """Embed the payload in an otherwise valid DCP ``.metadata`` (a field nothing reads); returns its path."""
+    path = os.path.join(dist_dir, ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)  # our own legit file
+    meta.planner_data = {"note": _Payload(marker)}
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    return path
+
+
+def _poison_extra_state(dist_dir: str, marker: str) -> str:
+    """Point one ``_extra_state`` object of a weights checkpoint at a data file holding the payload."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = os.path.join(dist_dir, ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    key = next(k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    hostile = os.path.join(dist_dir, "__hostile.distcp")
+    torch.save(_Payload(marker), hostile)
+    (index,) = [i for i in meta.storage_data if i.fqn == key]
+    meta.storage_data[index] = type(meta.storage_data[index])("__hostile.distcp", 0, os.path.getsize(hostile))
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    return hostile
+
+
+def _cli(argv: list[str]) -> int:
+    from megatron_cascade.convert.cli import main
+
+    return main(argv)
+
+
+def test_inspect_refuses_a_hostile_metadata(tmp_path, legit, capsys):
+    ckpt = _copy(legit, tmp_path)
+    marker = str(tmp_path / "pwned")
+    path = _poison_metadata(os.path.join(ckpt, "weights"), marker)
+    assert _cli(["inspect", os.path.join(ckpt, "weights")]) == 2
+    err = capsys.readouterr().err
+    assert not os.path.exists(marker), "the payload ran"
+    assert path in err and "posix.system" in err, err
+
+
+def test_megatron_to_hf_refuses_a_hostile_metadata(tmp_path, legit, capsys):
+    ckpt = _copy(legit, tmp_path)
+    marker = str(tmp_path / "pwned")
+    path = _poison_metadata(os.path.join(ckpt, "weights"), marker)
+    assert _cli(["megatron-to-hf", "--ckpt", os.path.join(ckpt, "weights"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert not os.path.exists(marker), "the payload ran"
+    assert path in err and "posix.system" in err, err
+
+
+def _load_worker(cases: list[tuple[str, str, str]]) -> dict[str, str]:
+    """{case: error text} after each load ``(case, kind, path)``; kind: init | teacher | resume."""
+    from megatron_cascade.cascade.teachers import TeacherPool
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import build_policy
+    from megatron_cascade.training.checkpoint import load_training_checkpoint
+    from megatron_cascade.training.policy import load_policy_weights
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    out = {}
+    for case, kind, path in cases:
+        env = "force_no_weights_only" in case
+        if env:
+            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        try:
+            if kind == "teacher":
+                TeacherPool({"math": path}, MODEL, ParallelConfig(), "fingerprint")
+            else:
+                policy = build_policy(MODEL, ParallelConfig(), OPTIM, total_steps=2)
+                if kind == "init":
+                    load_policy_weights(policy, path)
+                else:
+                    load_training_checkpoint(path, policy)
+            out[case] = "loaded"
+        except Exception as exc:  # noqa: BLE001 - the test inspects the message
+            out[case] = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    return out
+
+
+def test_init_teacher_and_resume_refuse_hostile_files(tmp_path, legit):
+    cases, expect = [], {}
+
+    def add(case: str, kind: str, poison, sub: str) -> None:
+        ckpt = _copy(legit, tmp_path / case)
+        marker = str(tmp_path / f"{case}.pwned")
+        expect[case] = (poison(os.path.join(ckpt, sub), marker), marker)
+        cases.append((case, kind, ckpt if kind == "resume" else os.path.join(ckpt, "weights")))
+
+    def common_pt(dist_dir: str, marker: str) -> str:
+        path = os.path.join(dist_dir, "common.pt")
+        torch.save({"payload": _Payload(marker)}, path)
+        return path
+
+    add("init_metadata", "init", _poison_metadata, "weights")
+    add("init_extra_state", "init", _poison_extra_state, "weights")
+    add("teacher_metadata", "teacher", _poison_metadata, "weights")
+    add("teacher_extra_state", "teacher", _poison_extra_state, "weights")
+    add("resume_optim_metadata", "resume", _poison_metadata, "optim")
+    add("resume_optim_common_force_no_weights_only", "resume", common_pt, "optim")
+    messages = run_distributed(_load_worker, 1, cases)[0]
+    for case, (path, marker) in expect.items():
+        assert not os.path.exists(marker), f"{case}: the payload ran ({messages[case]})"
+        assert messages[case].startswith("CheckpointError"), f"{case}: {messages[case]}"
+        assert path in messages[case] and "posix.system" in messages[case], f"{case}: {messages[case]}"
