@@ -1,6 +1,6 @@
 """Command line: ``megatron-cascade run|stages|eval|report|convert``.
 
-    megatron-cascade run CONFIG [key=value ...] [--stage NAME] [--dry-run]
+    megatron-cascade run CONFIG [key=value ...] [--stage NAME] [--dry-run] [--allow-config-change KEY[,KEY]]
     megatron-cascade stages CONFIG [key=value ...]        # <stage>\t<complete|partial|pending>
     megatron-cascade eval CONFIG [key=value ...] [--weights DIR]
     megatron-cascade report OUTPUT_DIR
@@ -41,7 +41,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     from megatron_cascade.cascade.runner import run_cascade
 
-    return run_cascade(cfg, only_stage=args.stage)
+    allowed = [key.strip() for item in args.allow_config_change for key in item.split(",") if key.strip()]
+    return run_cascade(cfg, only_stage=args.stage, allow_config_change=allowed)
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="key.sub=value (stages by name: stages.if_rl.steps=5)")
     run.add_argument("--stage", help="run only this stage (earlier stages must be complete)")
     run.add_argument("--dry-run", action="store_true", help="validate; print layout, memory and stage plan")
+    run.add_argument("--allow-config-change", action="append", default=[], metavar="KEY[,KEY]",
+                     help="resume although these keys (dotted; a section allows its keys; optimizer.lr allows "
+                          "stages.<name>.optimizer.lr) changed what started stages computed; recorded in "
+                          "manifest.json")
     run.set_defaults(func=_cmd_run)
     stages = sub.add_parser("stages", help="print each stage's status in OUTPUT_DIR")
     stages.add_argument("config")
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _setup_logging()
     from megatron_cascade.cascade.data import DataError
+    from megatron_cascade.cascade.run_lock import RunLockError
     from megatron_cascade.model import CheckpointError
 
     try:
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (DataError, CheckpointError) as exc:
         print(f"megatron-cascade: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except RunLockError as exc:
+        print(f"megatron-cascade: {exc}", file=sys.stderr)
         return 2
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 from megatron_cascade.training.checkpoint import read_latest, write_atomically
@@ -47,6 +48,13 @@ class Manifest:
     def record(self, key: str, value: Any) -> None:
         self.data[key] = value
         self.save()
+
+    def record_config_change(self, changes: dict[str, dict[str, Any]], allowed: list[str]) -> None:
+        """Append a resume's accepted config changes (``{key: {"recorded": old, "now": new}}``) and the
+        ``--allow-config-change`` keys that accepted them to ``config_changes``."""
+        entry = {"at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "allowed": list(allowed),
+                 "changes": changes}
+        self.record("config_changes", [*self.data.get("config_changes", []), entry])
 
     def save(self) -> None:
         os.makedirs(self.output_dir, exist_ok=True)
