@@ -20,6 +20,8 @@ from megatron_cascade.algorithms import apply_overlong_policy, group_advantages,
 from megatron_cascade.cascade.batches import rollout_batch, sft_batch
 from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
 from megatron_cascade.cascade.evaluation import data_parallel, evaluate
+from megatron_cascade.cascade.groups import GroupRound, merge_groups, select_groups
+from megatron_cascade.cascade.step_metrics import rollout_metrics
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
@@ -182,8 +184,8 @@ class StageRunner:
             save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
                                      self.cfg.checkpoint.keep_last)
 
-    def _my_share(self, step: int) -> list[Example]:
-        examples = self.mixer.draw(step, self.stage.prompts_per_step)
+    def _my_share(self, step: int, round: int = 0) -> list[Example]:
+        examples = self.mixer.draw(step, self.stage.prompts_per_step, round)
         per_rank = self.stage.prompts_per_step // self.dp_size
         return examples[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
@@ -191,74 +193,102 @@ class StageRunner:
         start = time.perf_counter()
         examples = self._my_share(step)
         if self.stage.type == "sft":
-            batch, sums, timing = sft_batch(examples, self.tok), {}, {}
+            batch, sums, maxes, timing = sft_batch(examples, self.tok), {}, {}, {}
         else:
-            batch, sums, timing = self._rollout_step(step, examples)
+            batch, sums, maxes, timing = self._rollout_step(step, examples)
         train_start = time.perf_counter()
         metrics = optimize_on_batch(self.policy, batch, self.spec, self.stage.training)
         timing["time/train_s"] = time.perf_counter() - train_start
         sums["tokens_processed"] = float(batch.input_ids.numel())
-        metrics.update(self._reduce(sums))
+        metrics.update(self._reduce(sums, maxes))
         elapsed = time.perf_counter() - start
         metrics.update(timing)
         metrics["time/step_s"] = elapsed
-        metrics["throughput/tokens_per_s"] = metrics.pop("tokens_processed") / elapsed
+        tokens = metrics.pop("tokens_processed")
+        metrics["throughput/tokens_per_s"] = tokens / elapsed
+        metrics["throughput/tokens_per_s_per_gpu"] = tokens / elapsed / dist.get_world_size()
         return metrics
 
-    def _sampling(self, step: int, n: int) -> SamplingParams:
+    def _sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
         r = self.stage.rollout
-        seed = (self.cfg.seed * 1_000_003 + self.index * 10_007 + step) * 131 + self.dp_rank
+        seed = (self.cfg.seed * 1_000_003 + self.index * 10_007 + step) * 131 + self.dp_rank + round * 7_368_787
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               stop_strings=tuple(r.stop_strings), n=n, seed=seed)
 
-    def _rollout_step(self, step: int, examples: list[Example]):
+    def _generate_round(self, step: int, round: int, examples: list[Example], timing: dict) -> GroupRound:
+        """Generate G responses per prompt, score them (while decoding), apply the overlong policy."""
         G = self.stage.samples_per_prompt
         t0 = time.perf_counter()
         finish_param_sync(self.policy)  # generation reads the weights of the last step
         # Each sample is scored the moment it finishes, while the others decode on.
         with RolloutScorer(self.rewards, self.cfg.domains, self.tok, [e.row for e in examples],
                            [e.domain for e in examples]) as scorer:
-            rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples], self._sampling(step, G),
-                                tokenizer=self.tok, kv_cache=KVCacheConfig.from_rollout(self.stage.rollout),
-                                on_finished=scorer.on_finished)
-            gen_s = time.perf_counter() - t0
+            rollouts = generate(self.policy.module, [list(e.prompt_ids) for e in examples],
+                                self._sampling(step, G, round), tokenizer=self.tok,
+                                kv_cache=KVCacheConfig.from_rollout(self.stage.rollout), on_finished=scorer.on_finished)
+            timing["time/generation_s"] += time.perf_counter() - t0
             scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers only
+            timing["time/reward_s"] += reward_s
         domains = [examples[s.prompt_index].domain for s in rollouts]
         # Before anything is trained on this step: every rank stops if the rewards largely failed.
         check_error_fraction(errored, domains, self.cfg.domains, list(self.stage.domains),
                              self.cfg.rewards.max_error_frac, self.dp_group)
         finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
-        rewards = scores.view(len(examples), G)
-        rewards, keep = apply_overlong_policy(rewards, finished.view(len(examples), G),
+        rewards, keep = apply_overlong_policy(scores.view(len(examples), G), finished.view(len(examples), G),
                                               policy=self.stage.rollout.overlong_policy)
         # A failed reward's 0 is not a verdict on the response: the sample leaves the loss, the
         # normaliser and its group's advantage statistics (GRPO) / the distillation loss (MOPD).
         keep = keep & ~errored.view(len(examples), G)
-        sums = self._rollout_sums(rollouts, scores, domains, errored)
-        if self.stage.type == "grpo":
-            batch = self._grpo_batch(rollouts, rewards, keep, sums)
-        else:
-            batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=None,
-                                  truncated=self.spec.truncated)
-            batch.teacher_logprobs = self._teacher_logprobs(batch, domains)
-        timing = {"time/generation_s": gen_s, "time/reward_s": reward_s}
-        return batch, sums, timing
+        return GroupRound(examples, rollouts, scores, errored, rewards, keep, informative_groups(rewards, valid=keep))
 
-    def _grpo_batch(self, rollouts, rewards: torch.Tensor, keep: torch.Tensor, sums: dict) -> TrainBatch:
+    def _generate_groups(self, step: int, examples: list[Example], timing: dict) -> list[GroupRound]:
+        """Round 0 on ``examples``; with dynamic sampling further rounds on further prompts until every
+        rank has its share of informative groups (decided on all data-parallel ranks together)."""
+        rounds = [self._generate_round(step, 0, examples, timing)]
+        quota = len(examples)
+        while len(rounds) < self.stage.rollout.dynamic_sampling_max_rounds:
+            found = sum(int(r.informative.sum()) for r in rounds)
+            have = torch.tensor([float(min(found, quota))], dtype=torch.float64)
+            dist.all_reduce(have, group=self.dp_group)
+            if have.item() >= self.stage.prompts_per_step:
+                break
+            rounds.append(self._generate_round(step, len(rounds), self._my_share(step, len(rounds)), timing))
+        return rounds
+
+    def _rollout_step(self, step: int, examples: list[Example]):
+        timing = {"time/generation_s": 0.0, "time/reward_s": 0.0}
+        rounds = self._generate_groups(step, examples, timing)
+        dynamic = self.stage.rollout.dynamic_sampling_max_rounds > 1
+        chosen = merge_groups(rounds, select_groups(rounds, len(examples), informative_first=dynamic))
+        sums, maxes = self._rollout_sums(rounds)
+        if self.stage.type == "grpo":
+            batch = self._grpo_batch(chosen, sums, timing)
+        else:
+            batch = rollout_batch(chosen.rollouts, self.tok, keep=chosen.keep.flatten(), advantages=None,
+                                  truncated=self.spec.truncated)
+            t0 = time.perf_counter()
+            batch.teacher_logprobs = self._teacher_logprobs(batch, chosen.sample_domains)
+            timing["time/teacher_s"] = time.perf_counter() - t0
+            sums.update(self._reverse_kl_sums(batch, chosen.sample_domains))
+        return batch, sums, maxes, timing
+
+    def _grpo_batch(self, chosen: GroupRound, sums: dict, timing: dict) -> TrainBatch:
         r = self.stage.rollout
-        advantages = group_advantages(rewards, std_normalize=r.std_normalize_advantages, baseline=r.advantage_baseline,
-                                      std=r.advantage_std, valid=keep)
-        informative = informative_groups(rewards, valid=keep)
-        sums["groups"] = float(rewards.shape[0])
-        sums["groups_informative"] = float(informative.sum())
+        keep = chosen.keep
+        advantages = group_advantages(chosen.rewards, std_normalize=r.std_normalize_advantages,
+                                      baseline=r.advantage_baseline, std=r.advantage_std, valid=keep)
         if r.filter_uninformative_groups:
-            keep = keep & informative.unsqueeze(1)
+            keep = keep & chosen.informative.unsqueeze(1)
+        sums["groups_trained"] = float(chosen.informative.sum())
         sums["advantage_abs_sum"] = float((advantages.abs() * keep).sum())
-        batch = rollout_batch(rollouts, self.tok, keep=keep.flatten(), advantages=advantages.flatten().float(),
+        sums["samples_trained"] = float(keep.sum())
+        batch = rollout_batch(chosen.rollouts, self.tok, keep=keep.flatten(), advantages=advantages.flatten().float(),
                               truncated=self.spec.truncated)
         if self.reference is not None:
+            t0 = time.perf_counter()
             batch.ref_logprobs = forward_logprobs([self.reference], batch, self.spec,
                                                   self.stage.training.micro_batch_size)
+            timing["time/reference_s"] = time.perf_counter() - t0
         return batch
 
     def _teacher_logprobs(self, batch: TrainBatch, domains: list[str]) -> torch.Tensor:
@@ -266,45 +296,54 @@ class StageRunner:
         spec = dataclasses.replace(self.spec, top_k=0, top_p=1.0)
         return teacher_logprobs(self.teachers, batch, domains, spec, self.stage.training.micro_batch_size)
 
-    def _rollout_sums(self, rollouts, scores: torch.Tensor, domains: list[str],
-                      errored: torch.Tensor) -> dict[str, float]:
-        """Step sums of this rank; reward means count only samples whose reward did not fail."""
-        lengths = [len(s.response_ids) for s in rollouts]
-        scored = ~errored
-        sums = {"reward_sum": float(scores[scored].sum()), "samples": float(len(rollouts)),
-                "reward_errors": float(errored.sum()), "response_length_sum": float(sum(lengths)),
-                "finish_stop": float(sum(s.finish_reason == "stop" for s in rollouts))}
+    def _reverse_kl_sums(self, batch: TrainBatch, sample_domains: list[str]) -> dict[str, float]:
+        """Per domain (one teacher each), sums of the sampled-token reverse KL estimate
+        log pi_infer(y) - log pi_teacher(y) over loss tokens, and the token counts."""
+        per_token = (batch.inference_logprobs - batch.teacher_logprobs) * batch.loss_mask
+        per_row, tokens = per_token.sum(dim=1), batch.loss_mask.sum(dim=1)
+        sums = {}
         for domain in self.stage.domains:
-            picked = [float(scores[i]) for i, d in enumerate(domains) if d == domain and scored[i]]
-            sums[f"reward_sum/{domain}"] = sum(picked)
-            sums[f"scored/{domain}"] = float(len(picked))
+            rows = [i for i, d in enumerate(sample_domains) if d == domain]
+            sums[f"mopd_rkl_sum/{domain}"] = float(per_row[rows].sum()) if rows else 0.0
+            sums[f"mopd_tokens/{domain}"] = float(tokens[rows].sum()) if rows else 0.0
         return sums
 
-    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        """All-reduce step sums over data-parallel ranks and turn them into logged means."""
+    def _rollout_sums(self, rounds: list[GroupRound]) -> tuple[dict[str, float], dict[str, float]]:
+        """Step sums (and maxima) of this rank over every generated sample of every round; reward
+        statistics count only samples whose reward did not fail, after the overlong policy (the
+        rewards advantages see; ``reward/raw_mean``: the verifiers' scores before it)."""
+        sums: dict[str, float] = {"groups": 0.0, "groups_informative": 0.0}
+        longest = 0.0
+        for rnd in rounds:
+            scored = ~rnd.errored
+            reward = rnd.rewards.flatten().to(torch.float64)
+            lengths = torch.tensor([float(len(s.response_ids)) for s in rnd.rollouts])
+            stopped = torch.tensor([float(s.finish_reason == "stop") for s in rnd.rollouts])
+            longest = max(longest, float(lengths.max()) if len(lengths) else 0.0)
+            domains = rnd.sample_domains
+            _add(sums, "groups", float(len(rnd.examples)))
+            _add(sums, "groups_informative", float(rnd.informative.sum()))
+            for domain in self.stage.domains:
+                mine = torch.tensor([d == domain for d in domains], dtype=torch.bool)
+                ok = mine & scored
+                _add(sums, f"samples/{domain}", float(mine.sum()))
+                _add(sums, f"scored/{domain}", float(ok.sum()))
+                _add(sums, f"reward_sum/{domain}", float(reward[ok].sum()))
+                _add(sums, f"reward_sq_sum/{domain}", float((reward[ok] ** 2).sum()))
+                _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))
+                _add(sums, f"length_sum/{domain}", float(lengths[mine].sum()))
+                _add(sums, f"stop_sum/{domain}", float(stopped[mine].sum()))
+        return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds))}
+
+    def _reduce(self, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+        """All-reduce step sums (and maxima) over data-parallel ranks and turn them into logged metrics."""
         if not sums:
             return {}
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(values, group=self.dp_group)
-        total = dict(zip(keys, values.tolist()))
+        total = _all_reduce_dict(sums, dist.ReduceOp.SUM, self.dp_group)
         out = {"tokens_processed": total.pop("tokens_processed")}
-        samples = total.get("samples")
-        if samples:
-            scored = samples - total["reward_errors"]
-            out["reward/mean"] = total["reward_sum"] / scored if scored else 0.0
-            out["reward/errors"] = total["reward_errors"]
-            out["reward/error_frac"] = total["reward_errors"] / samples
-            out["response/length_mean"] = total["response_length_sum"] / samples
-            out["finish/stop_frac"] = total["finish_stop"] / samples
-            out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]
-            for domain in self.stage.domains:
-                n = total.get(f"scored/{domain}", 0.0)
-                if n:
-                    out[f"reward/{domain}"] = total[f"reward_sum/{domain}"] / n
         if "groups" in total:
-            out["groups/informative_frac"] = total["groups_informative"] / max(total["groups"], 1.0)
-            out["advantage/abs_mean"] = total["advantage_abs_sum"] / max(samples or 1.0, 1.0)
+            peaks = _all_reduce_dict(maxes, dist.ReduceOp.MAX, self.dp_group)
+            out.update(rollout_metrics(total, peaks, self.stage.prompts_per_step, dict(self.stage.teachers)))
         return out
 
     # -- end -----------------------------------------------------------------------------------
@@ -335,3 +374,14 @@ class StageRunner:
         finish_param_sync(self.policy)
         return evaluate(self.policy.module, self.ctx.eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
                         eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
+
+
+def _all_reduce_dict(values: dict[str, float], op, group) -> dict[str, float]:
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(tensor, op=op, group=group)
+    return dict(zip(keys, tensor.tolist()))

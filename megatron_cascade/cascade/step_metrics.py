@@ -1,0 +1,71 @@
+"""Rollout metrics of one RL step, from sums all-reduced over data-parallel ranks.
+
+Names are what TensorBoard and ``metrics.jsonl`` show (documented in the README's metrics table).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _div(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_per_step: int,
+                    teachers: dict[str, str]) -> dict[str, float]:
+    """Means, fractions and maxima of a step's rollouts.
+
+    Args:
+        total: global sums (``StageRunner._rollout_sums`` keys, plus ``groups_trained``,
+            ``advantage_abs_sum``, ``samples_trained`` for GRPO and ``mopd_rkl_sum/*``,
+            ``mopd_tokens/*`` for MOPD).
+        peaks: global maxima (``response_length_max``, ``sampling_rounds``).
+        prompts_per_step: the stage's prompts per step (the batch dynamic sampling fills).
+        teachers: MOPD teacher (stage name or folder) per domain; {} otherwise.
+    """
+    domains = sorted(k.split("/", 1)[1] for k in total if k.startswith("samples/"))
+    sum_of = lambda prefix: sum(total[f"{prefix}/{d}"] for d in domains)  # noqa: E731
+    samples, scored = sum_of("samples"), sum_of("scored")
+    mean = _div(sum_of("reward_sum"), scored)
+    out = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(0.0, _div(sum_of("reward_sq_sum"), scored) - mean * mean)),
+        "reward/raw_mean": _div(sum_of("raw_reward_sum"), scored),
+        "reward/errors": samples - scored,
+        "reward/error_frac": _div(samples - scored, samples),
+        "response/length_mean": _div(sum_of("length_sum"), samples),
+        "response/length_max": peaks["response_length_max"],
+        "finish/stop_frac": _div(sum_of("stop_sum"), samples),
+        "groups/informative_frac": _div(total["groups_informative"], total["groups"]),
+        "sampling/rounds": peaks["sampling_rounds"],
+        "sampling/groups_generated": total["groups"],
+    }
+    out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]
+    for d in domains:
+        if total[f"samples/{d}"]:
+            out[f"reward/{d}"] = _div(total[f"reward_sum/{d}"], total[f"scored/{d}"])
+            out[f"response/length_mean/{d}"] = _div(total[f"length_sum/{d}"], total[f"samples/{d}"])
+            out[f"finish/stop_frac/{d}"] = _div(total[f"stop_sum/{d}"], total[f"samples/{d}"])
+    if "groups_trained" in total:
+        out["batch/effective_prompts"] = total["groups_trained"]
+        out["batch/effective_frac"] = total["groups_trained"] / prompts_per_step
+        out["advantage/abs_mean"] = _div(total["advantage_abs_sum"], total["samples_trained"])
+    out.update(_reverse_kl(total, teachers))
+    return out
+
+
+def _reverse_kl(total: dict[str, float], teachers: dict[str, str]) -> dict[str, float]:
+    """MOPD: mean sampled-token reverse KL to the teacher, per domain and per teacher (nats)."""
+    out, per_teacher = {}, {}
+    for domain, teacher in teachers.items():
+        kl, tokens = total.get(f"mopd_rkl_sum/{domain}", 0.0), total.get(f"mopd_tokens/{domain}", 0.0)
+        if tokens:
+            out[f"mopd/reverse_kl/{domain}"] = kl / tokens
+        acc = per_teacher.setdefault(teacher, [0.0, 0.0])
+        acc[0] += kl
+        acc[1] += tokens
+    for teacher, (kl, tokens) in per_teacher.items():
+        if tokens:
+            out[f"mopd/reverse_kl_teacher/{teacher}"] = kl / tokens
+    return out
