@@ -78,7 +78,7 @@ def _jobs(responses: Sequence[str], samples: Sequence[dict]
 
 def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
                       timeout_s: float = 5.0, memory_mb: int = 1024, partial: bool = False,
-                      max_workers: int | None = None, allow_unsafe_sandbox: bool = False,
+                      max_workers: int | None = None, max_processes: int = 4, allow_unsafe_sandbox: bool = False,
                       uid_base: int = 61000) -> list[float | BaseException]:
     """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool. A malformed
     row or a program that breaks the compile check is returned as that item's exception.
@@ -87,8 +87,7 @@ def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
         SandboxUnavailableError: isolation cannot be had here and ``allow_unsafe_sandbox`` is off.
     """
     sandbox = CodeSandbox(max_workers=max_workers, allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base)
-    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
-    sandbox.backend  # refuse (SandboxUnavailableError) before looking at any response
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
     jobs, n_tests, errors = _jobs(responses, samples)
     partial_of = [bool(s.get("partial", partial)) if isinstance(s, dict) else partial for s in samples]
     failed: set[int] = set()
@@ -123,13 +122,15 @@ def _score(passed: int, total: int, partial: bool) -> float:
 
 @register_reward("code")
 def code_reward(response: str, sample: dict, *, timeout_s: float = 5.0, memory_mb: int = 1024,
-                partial: bool = False, max_workers: int | None = None, allow_unsafe_sandbox: bool = False,
-                uid_base: int = 61000) -> float:
+                partial: bool = False, max_workers: int | None = None, max_processes: int = 4,
+                allow_unsafe_sandbox: bool = False, uid_base: int = 61000) -> float:
     """Score one response: run its last python block on ``sample["tests"]``.
 
     Args:
         timeout_s: wall-clock limit per test run in seconds.
-        memory_mb: memory of each test run's whole process tree in MiB (see ``SandboxLimits``).
+        memory_mb: memory of each test run's whole process tree in MiB: each of its processes may
+            map ``memory_mb / max_processes`` (``SandboxLimits``).
+        max_processes: processes and threads of one test run.
         partial: fraction of passed tests instead of all-or-nothing.
         max_workers: parallel test runs (default ``os.cpu_count()``).
         allow_unsafe_sandbox: where the isolated sandbox cannot be had (no root / CAP_SYS_ADMIN),
@@ -141,7 +142,8 @@ def code_reward(response: str, sample: dict, *, timeout_s: float = 5.0, memory_m
         ValueError: the row has no valid ``tests``.
     """
     value = code_reward_batch([response], [sample], timeout_s=timeout_s, memory_mb=memory_mb, partial=partial,
-                              max_workers=max_workers, allow_unsafe_sandbox=allow_unsafe_sandbox,
+                              max_workers=max_workers, max_processes=max_processes,
+                              allow_unsafe_sandbox=allow_unsafe_sandbox,
                               uid_base=uid_base)[0]
     if isinstance(value, BaseException):
         raise value

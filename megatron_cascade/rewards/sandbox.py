@@ -164,20 +164,25 @@ def _missing_capabilities() -> list[str]:
 def _interpreter_binds(python: str) -> tuple[tuple[str, str], ...]:
     """Host paths the programs' root gets read-only, as ``(path, "dir" | "file" | "symlink")``.
 
-    The system library folders (the interpreter's shared libraries and, on distribution Pythons,
-    the stdlib), the linker cache, the interpreter binary and its stdlib / shared-library folders.
+    The interpreter binary, its stdlib (and shared-library) folders, the linker cache and the
+    system's shared libraries: of ``/usr/lib`` and ``/lib*`` only the multiarch folder where
+    there is one (Debian/Ubuntu: ``/usr/lib/x86_64-linux-gnu``), else the whole folder (Fedora's
+    ``/usr/lib64``); symlinks (merged ``/usr``) are recreated as symlinks.
     """
     query = ("import json, os, sys, sysconfig\n"
              "v = sysconfig.get_config_var\n"
              "paths = [sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib')]\n"
              "paths += [v('LIBDIR')] if v('Py_ENABLE_SHARED') else []\n"
-             "print(json.dumps([os.path.realpath(sys.executable), [os.path.realpath(p) for p in paths if p]]))")
+             "print(json.dumps([os.path.realpath(sys.executable), [os.path.realpath(p) for p in paths if p],"
+             " v('MULTIARCH') or '']))")
     out = subprocess.run([python, "-I", "-S", "-c", query], capture_output=True, text=True, timeout=60, check=True)
-    executable, folders = json.loads(out.stdout)
+    executable, folders, multiarch = json.loads(out.stdout)
     binds: list[tuple[str, str]] = []
     for path in _SYSTEM_LIBRARY_DIRS:
         if os.path.islink(path):
             binds.append((path, "symlink"))
+        elif multiarch and os.path.isdir(os.path.join(path, multiarch)):
+            binds.append((os.path.join(path, multiarch), "dir"))
         elif os.path.isdir(path):
             binds.append((path, "dir"))
     dirs = [p for p, kind in binds if kind == "dir"]
@@ -186,9 +191,9 @@ def _interpreter_binds(python: str) -> tuple[tuple[str, str], ...]:
         if os.path.isdir(folder) and not covered(folder):
             binds.append((folder, "dir"))
             dirs.append(folder)
-    for path, kind in ((executable, "file"), ("/etc/ld.so.cache", "file")):
+    for path in (executable, "/etc/ld.so.cache"):
         if os.path.isfile(path) and not covered(path):
-            binds.append((path, kind))
+            binds.append((path, "file"))
     return tuple(sorted(binds))
 
 
@@ -657,4 +662,7 @@ def _clean_env(workdir: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTHONIOENCODING": "utf-8",
         "PYTHONDONTWRITEBYTECODE": "1",
+        # One malloc arena: a thread's own arena reserves 64 MiB of address space, which
+        # RLIMIT_AS (the per-process share of memory_mb) would count as used.
+        "MALLOC_ARENA_MAX": "1",
     }

@@ -302,3 +302,29 @@ def test_uid_of_a_real_user_is_refused(box):
     """Issue: sandbox uids were not checked against the user database."""
     with pytest.raises(SandboxUnavailableError, match="uid_base.*root"):
         CodeSandbox(uid_base=0).run(Program("print(1)"))
+
+
+def test_a_uid_held_by_another_process_is_not_reused(box, no_leftovers):
+    """Two processes of one rank (e.g. reward workers) lease uids through flock, not a local counter."""
+    from megatron_cascade.rewards.sandbox import _lock_dir
+
+    first = box.run(Program("import os; print(os.getuid())")).stdout.strip()
+    fd = os.open(os.path.join(_lock_dir(), first), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process of this rank holding that uid would
+        res = box.run(Program("import os; print(os.getuid())"))
+        assert res.ok and res.stdout.strip() != first, (first, res.stdout)
+    finally:
+        os.close(fd)
+
+
+def test_fork_hog_does_not_zero_a_neighbour(box, no_leftovers):
+    """Issue: one program's fork hog (same uid) zeroed another's correct answer."""
+    hog = ("import os, time\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
+           "            time.sleep(2)\n            os._exit(0)\n    except OSError:\n        pass\ntime.sleep(2)\n")
+    good = "import time\ntime.sleep(0.3)\nprint(int(input()) * 2)"
+    programs = [Program(hog)] + [Program(good, "21")] * 2
+    results = CodeSandbox(max_workers=3).run_many(programs, SandboxLimits(timeout_s=TIMEOUT_S))
+    assert [r.stdout.strip() for r in results[1:]] == ["42", "42"], results
