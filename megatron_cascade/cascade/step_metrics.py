@@ -6,6 +6,7 @@ Names are what TensorBoard and ``metrics.jsonl`` show (documented in the README'
 from __future__ import annotations
 
 import math
+import os
 
 
 def _div(num: float, den: float) -> float:
@@ -61,11 +62,12 @@ def _reverse_kl(total: dict[str, float], teachers: dict[str, str]) -> dict[str, 
     for domain, teacher in teachers.items():
         kl, tokens = total.get(f"mopd_rkl_sum/{domain}", 0.0), total.get(f"mopd_tokens/{domain}", 0.0)
         if tokens:
-            out[f"mopd/reverse_kl/{domain}"] = kl / tokens
-        acc = per_teacher.setdefault(teacher, [0.0, 0.0])
+            out[f"reverse_kl/domain/{domain}"] = kl / tokens
+        # A teacher given as a folder is named by its last component (a tag, not a path).
+        acc = per_teacher.setdefault(os.path.basename(teacher.rstrip("/")), [0.0, 0.0])
         acc[0] += kl
         acc[1] += tokens
     for teacher, (kl, tokens) in per_teacher.items():
         if tokens:
-            out[f"mopd/reverse_kl_teacher/{teacher}"] = kl / tokens
+            out[f"reverse_kl/teacher/{teacher}"] = kl / tokens
     return out

@@ -75,6 +75,12 @@ def test_tensorboard_has_the_named_scalars(uninterrupted):
         "if_rl/time/generation_s", "if_rl/time/reward_s", "if_rl/time/train_s", "if_rl/throughput/tokens_per_s",
         "if_rl/entropy_mean", "if_rl/clip_frac", "sft/entropy_mean", "mopd/entropy_mean",
         "mopd/reverse_kl_mean", "mopd/reward/math", "eval/math", "eval/instruction_following",
+        # issue 12's rollout telemetry
+        "if_rl/reward/std", "if_rl/reward/raw_mean", "if_rl/response/length_max",
+        "if_rl/response/length_mean/instruction_following", "if_rl/finish/stop_frac/instruction_following",
+        "if_rl/batch/effective_prompts", "if_rl/batch/effective_frac", "if_rl/sampling/rounds",
+        "if_rl/throughput/tokens_per_s_per_gpu", "mopd/time/teacher_s", "mopd/reverse_kl/domain/math",
+        "mopd/reverse_kl/teacher/sft",
     }
     assert expected <= tags, f"missing: {sorted(expected - tags)}"
 
