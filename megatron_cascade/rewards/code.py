@@ -150,4 +150,18 @@ def code_reward(response: str, sample: dict, *, timeout_s: float = 5.0, memory_m
     return value
 
 
+def code_reward_preflight(*, timeout_s: float = 5.0, memory_mb: int = 1024, partial: bool = False,
+                          max_workers: int | None = None, max_processes: int = 4, allow_unsafe_sandbox: bool = False,
+                          uid_base: int = 61000) -> None:
+    """Check the code reward's kwargs and the sandbox before a run starts (same kwargs).
+
+    Raises:
+        ValueError: a limit is out of range (the message names the kwarg).
+        SandboxUnavailableError: isolation cannot be had and ``allow_unsafe_sandbox`` is off.
+    """
+    SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
+    CodeSandbox(max_workers=max_workers, allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base).resolve_backend()
+
+
 code_reward.batch_fn = code_reward_batch  # type: ignore[attr-defined]
+code_reward.preflight = code_reward_preflight  # type: ignore[attr-defined]

@@ -220,24 +220,30 @@ def _probe_failure(result: SandboxResult, workdir_top: str) -> str | None:
 
 
 _isolation_lock = threading.Lock()
-_isolation_problems: dict[str, str | None] = {}
+_isolation_problems: dict[tuple[str, int, int], str | None] = {}
 
 
-def isolation_problem(python: str) -> str | None:
-    """What keeps the isolated mode from working here (None: it works); probed once per process.
+def isolation_problem(python: str, uid_base: int = 61000, uids_per_rank: int = 256) -> str | None:
+    """What keeps the isolated mode from working here (None: it works); probed once per process
+    and configuration.
 
     Checked: root, the capabilities the launcher uses, a seccomp syscall table for this machine,
-    then a real probe program through the whole launcher, asked from inside what it sees.
+    then a real probe program through the whole launcher (under a uid of the given range), asked
+    from inside what it sees.
+
+    Raises:
+        SandboxUnavailableError: the uid range holds a real user's or group's id.
     """
+    key = (python, uid_base, uids_per_rank)
     with _isolation_lock:
-        if python not in _isolation_problems:
-            _isolation_problems[python] = _find_isolation_problem(python)
-            if _isolation_problems[python] is None:
+        if key not in _isolation_problems:
+            _isolation_problems[key] = _find_isolation_problem(*key)
+            if _isolation_problems[key] is None:
                 logger.info("code sandbox: isolated mode works (minimal root, namespaces, seccomp, own uids)")
-        return _isolation_problems[python]
+        return _isolation_problems[key]
 
 
-def _find_isolation_problem(python: str) -> str | None:
+def _find_isolation_problem(python: str, uid_base: int, uids_per_rank: int) -> str | None:
     if os.geteuid() != 0:
         return (f"the trainer does not run as root (euid {os.geteuid()}): the sandbox needs root to build "
                 "namespaces and run each program under its own uid")
@@ -247,8 +253,9 @@ def _find_isolation_problem(python: str) -> str | None:
     if platform.machine() not in _sandbox_seccomp.supported_machines():
         return (f"no seccomp syscall table for this machine ({platform.machine()}; supported: "
                 f"{', '.join(_sandbox_seccomp.supported_machines())})")
+    box = CodeSandbox(python=python, uid_base=uid_base, uids_per_rank=uids_per_rank, _backend="isolated")
     try:
-        result = CodeSandbox(python=python, _backend="isolated").run(Program(_PROBE), SandboxLimits(timeout_s=30))
+        result = box.run(Program(_PROBE), SandboxLimits(timeout_s=30))
     except (OSError, subprocess.SubprocessError) as e:
         return f"the isolation probe could not start: {e}"
     return _probe_failure(result, tempfile.gettempdir().strip("/").split("/")[0])
@@ -509,18 +516,24 @@ class CodeSandbox:
     def backend(self) -> str:
         """``isolated``, or ``unsafe`` where allowed and isolation cannot be had (may raise
         :class:`SandboxUnavailableError`)."""
-        return self._resolve_backend()
+        return self.resolve_backend()
 
     def require_isolation(self) -> None:
         """Raise :class:`SandboxUnavailableError` (what is missing) unless the isolated mode works."""
-        problem = isolation_problem(self.python)
+        problem = isolation_problem(self.python, self.uid_base, self.uids_per_rank)
         if problem is not None:
             raise SandboxUnavailableError(_refusal(problem))
 
-    def _resolve_backend(self) -> str:
+    def resolve_backend(self) -> str:
+        """The mode programs will run in (probed once per process): ``isolated``, or ``unsafe``
+        (warned once) where isolation cannot be had and ``allow_unsafe`` is set.
+
+        Raises:
+            SandboxUnavailableError: isolation cannot be had and ``allow_unsafe`` is off.
+        """
         if self._backend is not None:
             return self._backend
-        problem = isolation_problem(self.python)
+        problem = isolation_problem(self.python, self.uid_base, self.uids_per_rank)
         if problem is None:
             return "isolated"
         if not self.allow_unsafe:
@@ -531,7 +544,7 @@ class CodeSandbox:
     def run(self, program: Program, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
         """Run one program; never raises for anything the program does (raises
         :class:`SandboxUnavailableError` when it may not run at all)."""
-        backend = self._resolve_backend()
+        backend = self.resolve_backend()
         lease = _UIDS.acquire(self.uid_base, self.uids_per_rank) if os.geteuid() == 0 else None
         root = tempfile.mkdtemp(prefix="mc-sandbox-")
         try:
@@ -552,7 +565,7 @@ class CodeSandbox:
         ``on_result(i, result)`` is called from the worker thread as soon as program ``i``
         finished. Results are in input order.
         """
-        self._resolve_backend()  # probe once (and refuse, if so) before the threads race for it
+        self.resolve_backend()  # probe once (and refuse, if so) before the threads race for it
         workers = self.max_workers or os.cpu_count() or 1
 
         def job(i: int) -> SandboxResult:

@@ -30,3 +30,14 @@ def test_malformed_test_case_hits_only_its_item():
     scores, errors = _score([GOOD, GOOD], [{"tests": [{"input": "abc"}]}, GOOD_ROW])
     assert scores == [0.0, 1.0]
     assert errors == 1
+
+
+def test_preflight_names_a_bad_kwarg():
+    import pytest
+
+    from megatron_cascade.rewards.code import code_reward
+
+    with pytest.raises(ValueError, match="memory_mb"):
+        code_reward.preflight(memory_mb=40, max_processes=4)  # 10 MiB a process: Python cannot start
+    with pytest.raises(ValueError, match="timeout_s"):
+        code_reward.preflight(timeout_s=0)

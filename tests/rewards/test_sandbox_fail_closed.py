@@ -28,11 +28,16 @@ _TRAINER = textwrap.dedent("""
     response = "```python\\nprint(input()[::-1])\\n```"
     row = {"tests": [{"input": "abc", "output": "cba"}]}
     try:
+        reward.fn.preflight(**reward.kwargs)
+        preflight = "ok"
+    except Exception as e:
+        preflight = f"{type(e).__name__}: {e}"
+    try:
         single = reward(response, row)
     except Exception as e:
         single = f"{type(e).__name__}: {e}"
     scores, errors = score_batch(reward, [response, response], [row, row])
-    print(json.dumps({"single": single, "scores": scores, "errors": errors}))
+    print(json.dumps({"preflight": preflight, "single": single, "scores": scores, "errors": errors}))
 """)
 
 
@@ -58,6 +63,7 @@ def _needs_root():
 def test_refuses_without_cap_sys_admin():
     result, log = _run_trainer({})
     assert result["single"].startswith("SandboxUnavailableError"), result
+    assert result["preflight"] == result["single"]  # a run can refuse before its first step
     for words in ("CAP_SYS_ADMIN", "allow_unsafe_sandbox"):
         assert words in result["single"], result["single"]
     assert result["scores"] == [0.0, 0.0] and result["errors"] == 2
@@ -65,6 +71,7 @@ def test_refuses_without_cap_sys_admin():
 
 def test_unsafe_mode_runs_and_warns_once():
     result, log = _run_trainer({"allow_unsafe_sandbox": True})
+    assert result["preflight"] == "ok"
     assert result["single"] == 1.0 and result["scores"] == [1.0, 1.0] and result["errors"] == 0
     warnings = [line for line in log.splitlines() if line.startswith("LOG WARNING") and "UNSAFE" in line]
     assert len(warnings) == 1, log
