@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,25 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from torch.distributed.checkpoint.planner import ReadItem
 
 from megatron_cascade.checkpoint_safety.dcp_metadata import METADATA_FILE, check_data_spans, read_dcp_metadata
-from megatron_cascade.checkpoint_safety.restricted_pickle import UnsafeCheckpointError
-
-
-def weights_only_load(source: Any, what: str) -> Any:
-    """``torch.load(source, weights_only=True)`` on CPU; ``UnsafeCheckpointError`` naming ``what`` if refused."""
-    try:
-        return torch.load(source, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{what} is not plain data (tensors, numbers, strings, containers): {_refusal(exc)}; refusing to unpickle it "
-            "(it could run code). Re-create the checkpoint with megatron-cascade or take it from a source you "
-            "trust") from None
-
-
-def _refusal(exc: pickle.UnpicklingError) -> str:
-    """The line of torch's weights-only refusal that names the global (its message is mostly boilerplate)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "WeightsUnpickler" in line]
-    return (named or lines or [type(exc).__name__])[0]
+from megatron_cascade.checkpoint_safety.restricted_pickle import UnsafeCheckpointError, weights_only_load
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):

@@ -1,5 +1,7 @@
 """Unpickling that constructs only allow-listed classes: a hostile pickle is refused, never run.
 
+``weights_only_load`` is ``torch.load(weights_only=True)`` with the refusal turned into the same error.
+
 A pickle can name any importable callable (``os.system``, ``builtins.exec``) and call it while it is
 read. ``restricted_loads`` resolves every global through an allow-list of pure data classes and
 lookup functions, so a pickle naming anything else is refused with ``UnsafeCheckpointError`` before
@@ -13,6 +15,8 @@ import io
 import os
 import pickle
 from typing import Any, Callable, Iterable
+
+import torch
 
 # Refuse metadata files larger than this (bytes): a DCP ``.metadata`` is a few MB even for 100B-parameter
 # models at thousands of ranks; a multi-GB one is not a checkpoint we wrote.
@@ -35,9 +39,9 @@ class _AllowListUnpickler(pickle.Unpickler):
         obj = self._allowed(module, name)
         if obj is None:
             raise UnsafeCheckpointError(
-                f"{self._path} is not a plain-data checkpoint file: it asks to load {module}.{name}, which is not "
-                "allowed (it could run code); refusing to read it. Re-create the checkpoint with megatron-cascade "
-                "or take it from a source you trust")
+                f"{self._path} is not plain data: its pickle asks to load {module}.{name}, which is not allowed "
+                "(it could run code); refusing to read it. Re-create the checkpoint with megatron-cascade or take "
+                "it from a source you trust")
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
@@ -64,7 +68,7 @@ def restricted_loads(data: bytes, allowed: Callable[[str, str], Any], path: str)
     except UnsafeCheckpointError:
         raise
     except (Exception, RecursionError) as exc:  # noqa: BLE001 - any failure means a corrupt file
-        raise UnsafeCheckpointError(f"{path} is not a readable checkpoint metadata file "
+        raise UnsafeCheckpointError(f"{path} is not a readable checkpoint pickle "
                                     f"({type(exc).__name__}: {exc}); re-copy the checkpoint") from exc
 
 
@@ -80,3 +84,21 @@ def allow_list(entries: Iterable[tuple[str, str]]) -> Callable[[str, str], Any]:
         return getattr(importlib.import_module(module), name)
 
     return allowed
+
+
+def weights_only_load(source: Any, what: str) -> Any:
+    """``torch.load(source, weights_only=True)`` on CPU; ``UnsafeCheckpointError`` naming ``what`` if refused."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{what} is not plain data (tensors, numbers, strings, containers): {_refusal(exc)}; refusing to "
+            "unpickle it (it could run code). Re-create the checkpoint with megatron-cascade or take it from a "
+            "source you trust") from None
+
+
+def _refusal(exc: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only refusal that names the global (its message is mostly boilerplate)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "WeightsUnpickler" in line]
+    return (named or lines or [type(exc).__name__])[0]

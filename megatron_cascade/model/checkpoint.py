@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
+from megatron_cascade.checkpoint_safety.extra_state import check_extra_states
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict, is_extra_state, resolve_legacy_keys
 
@@ -167,6 +168,10 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
         raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - re-raised with the directory named
         raise CheckpointError(f"could not load weights from {ckpt_dir}: {type(exc).__name__}: {exc}") from exc
+    try:
+        check_extra_states(state, ckpt_dir)  # TE's set_extra_state pickle.loads them
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     model.load_state_dict(state, strict=False)
     missing = _missing_after_load(model, state)
     if missing:

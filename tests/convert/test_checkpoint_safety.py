@@ -71,8 +71,14 @@ def _poison_metadata(dist_dir: str, marker: str) -> str:
     return path
 
 
-def _poison_extra_state(dist_dir: str, marker: str) -> str:
-    """Point one ``_extra_state`` object of a weights checkpoint at a data file holding the payload."""
+def _te_format(obj) -> torch.Tensor:
+    """``obj`` as Transformer Engine stores its FP8 state: a uint8 tensor of ``pickle.dumps(obj)``."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _poison_extra_state(dist_dir: str, marker: str, te_format: bool = False) -> str:
+    """Point one ``_extra_state`` object of a weights checkpoint at a data file holding the payload
+    (``te_format``: as a plain uint8 tensor that TE's ``set_extra_state`` would ``pickle.loads``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     path = os.path.join(dist_dir, ".metadata")
@@ -80,7 +86,8 @@ def _poison_extra_state(dist_dir: str, marker: str) -> str:
         meta = pickle.load(f)
     key = next(k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
     hostile = os.path.join(dist_dir, "__hostile.distcp")
-    torch.save(_Payload(marker), hostile)
+    # Megatron stores an object as the list of its shards' data.
+    torch.save([_te_format({"scale_fwd": _Payload(marker)})] if te_format else _Payload(marker), hostile)
     (index,) = [i for i in meta.storage_data if i.fqn == key]
     meta.storage_data[index] = type(meta.storage_data[index])("__hostile.distcp", 0, os.path.getsize(hostile))
     with open(path, "wb") as f:
@@ -161,6 +168,7 @@ def test_init_teacher_and_resume_refuse_hostile_files(tmp_path, legit):
 
     add("init_metadata", "init", _poison_metadata, "weights")
     add("init_extra_state", "init", _poison_extra_state, "weights")
+    add("init_extra_state_te_format", "init", lambda d, m: _poison_extra_state(d, m, te_format=True), "weights")
     add("teacher_metadata", "teacher", _poison_metadata, "weights")
     add("teacher_extra_state", "teacher", _poison_extra_state, "weights")
     add("resume_optim_metadata", "resume", _poison_metadata, "optim")
@@ -169,4 +177,27 @@ def test_init_teacher_and_resume_refuse_hostile_files(tmp_path, legit):
     for case, (path, marker) in expect.items():
         assert not os.path.exists(marker), f"{case}: the payload ran ({messages[case]})"
         assert messages[case].startswith("CheckpointError"), f"{case}: {messages[case]}"
-        assert path in messages[case] and "posix.system" in messages[case], f"{case}: {messages[case]}"
+        named = os.path.dirname(path) if case.endswith("te_format") else path  # the key in the weights dir
+        assert named in messages[case] and "posix.system" in messages[case], f"{case}: {messages[case]}"
+
+
+def test_te_extra_state_is_checked_before_set_extra_state_unpickles_it(tmp_path):
+    """TE's FP8 state (recipe aside, which needs TE) passes; a payload in it, or in the older BytesIO
+    format, is refused naming the key, and nothing runs."""
+    import io
+
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
+    from megatron_cascade.checkpoint_safety.extra_state import check_extra_states
+
+    fp8_state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3), "scale_bwd": torch.ones(2),
+                 "amax_history_bwd": torch.zeros(16, 2), "extra_fp8_variables": {"num_gemms": 1, "fp8_dtype": "e4m3",
+                                                                                 "dims": (1, 2), "ids": [3]}}
+    check_extra_states({"layer.linear._extra_state": _te_format(fp8_state), "layer.weight": torch.ones(2),
+                        "norm._extra_state": torch.empty(0), "other._extra_state": None}, "ckpt")
+    marker = str(tmp_path / "pwned")
+    buffer = io.BytesIO()
+    torch.save({"scale_fwd": _Payload(marker)}, buffer)
+    for hostile in (_te_format({"scale_fwd": _Payload(marker)}), buffer):
+        with pytest.raises(UnsafeCheckpointError, match=r"ckpt: layer\.linear\._extra_state .*posix\.system"):
+            check_extra_states({"layer.linear._extra_state": hostile}, "ckpt")
+    assert not os.path.exists(marker)
