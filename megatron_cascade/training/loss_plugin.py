@@ -16,22 +16,20 @@ model's layout (SP / CP / FP8) here, outside the loss (loss mask 0, ``padding_ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from megatron_cascade.algorithms import grpo_loss, mopd_loss, sft_loss
 from megatron_cascade.config.training import LossConfig
 from megatron_cascade.model.builder import sequence_length_multiple
 from megatron_cascade.model.moe_aux_loss import aux_loss_weights
 from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_truncated_logprobs
 from megatron_cascade.training.batch import TrainBatch
+from megatron_cascade.training.losses import Loss, build_loss, check_needs
 
-LOSS_KINDS = ("sft", "grpo", "mopd")
 # Metric sums the plug-in adds to every loss's own (all-reduced and finalised with them).
 POLICY_METRIC_KEYS = ("entropy_sum",)
-_IS_MODES = {"icepop": "mask", "truncate": "truncate"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class LossSpec:
     """What a training step optimises.
 
     Attributes:
-        kind: "sft" | "grpo" | "mopd".
+        kind: a registered loss (``training/losses``: "sft", "grpo", "mopd").
         loss: the loss section of the config.
         temperature: the sampling temperature; log-probs are of softmax(logits / temperature).
         vocab_size: real vocabulary size (padded embedding rows are left out of the softmax).
@@ -54,13 +52,10 @@ class LossSpec:
     vocab_size: Optional[int] = None
     top_k: int = 0
     top_p: float = 1.0
+    objective: Loss = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in LOSS_KINDS:
-            raise ValueError(f"loss kind {self.kind!r} is not one of {LOSS_KINDS}")
-        if self.loss.importance_correction not in (*_IS_MODES, "none"):
-            raise ValueError(f"loss.importance_correction={self.loss.importance_correction!r} is not one of "
-                             f"{[*_IS_MODES, 'none']}")
+        object.__setattr__(self, "objective", build_loss(self.kind, self.loss))
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
@@ -74,7 +69,7 @@ class LossSpec:
     @property
     def counts_sequences(self) -> bool:
         """Whether the normaliser is a sequence count (MOPD "sequence") rather than a token count."""
-        return self.kind == "mopd" and self.loss.mopd_normalization == "sequence"
+        return self.objective.normalization == "sequence"
 
 
 def local_normalizer_count(spec: LossSpec, batch: TrainBatch) -> torch.Tensor:
@@ -111,28 +106,9 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def compute_loss(spec: LossSpec, logprobs: torch.Tensor, micro: TrainBatch, normalizer: torch.Tensor):
-    """The configured pure loss on one micro-batch: ``(loss, metric sums)``."""
-    cfg = spec.loss
-    inference = None if cfg.importance_correction == "none" else micro.inference_logprobs
-    is_mode = _IS_MODES.get(cfg.importance_correction, "mask")
-    if spec.kind == "sft":
-        return sft_loss(logprobs, micro.loss_mask, normalizer=normalizer)
-    if spec.kind == "grpo":
-        if micro.advantages is None:
-            raise ValueError("a grpo step needs TrainBatch.advantages")
-        return grpo_loss(
-            logprobs, micro.advantages, micro.loss_mask,
-            old_logprobs=micro.old_logprobs, inference_logprobs=inference, ref_logprobs=micro.ref_logprobs,
-            clip_eps=(cfg.clip_eps_low, cfg.clip_eps_high), is_bounds=(cfg.is_low, cfg.is_high),
-            is_mode=is_mode, kl_coef=cfg.kl_coef, normalizer=normalizer,
-        )
-    if micro.teacher_logprobs is None:
-        raise ValueError("a mopd step needs TrainBatch.teacher_logprobs")
-    return mopd_loss(
-        logprobs, micro.teacher_logprobs, micro.loss_mask, inference_logprobs=inference,
-        is_bounds=(cfg.is_low, cfg.is_high), is_mode=is_mode, normalization=cfg.mopd_normalization,
-        normalizer=normalizer,
-    )
+    """The configured loss on one micro-batch: ``(loss, metric sums)``."""
+    check_needs(spec.objective, micro)
+    return spec.objective(logprobs, micro, normalizer)
 
 
 def aux_loss_row_weights(spec: LossSpec, micro: TrainBatch, normalizer: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.algorithms import GRPO_METRIC_KEYS, MOPD_METRIC_KEYS, SFT_METRIC_KEYS, finalize_metrics
+from megatron_cascade.algorithms import finalize_metrics
 from megatron_cascade.config.training import TrainingConfig
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.loss_plugin import (
@@ -20,9 +20,6 @@ from megatron_cascade.training.loss_plugin import (
 from megatron_cascade.training.policy import Policy
 
 log = logging.getLogger(__name__)
-
-_METRIC_KEYS = {"sft": SFT_METRIC_KEYS, "grpo": GRPO_METRIC_KEYS, "mopd": MOPD_METRIC_KEYS}
-
 
 def _parallel_state():
     from megatron.core import parallel_state
@@ -158,7 +155,7 @@ def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     for chunk in policy.chunks:
         chunk.train()
     per_micro = _run_schedule(policy.chunks, make_forward_step(spec, normalizer, _tp_group()), micros, False)
-    sums = _reduce_metric_sums(("loss", *_METRIC_KEYS[spec.kind], *POLICY_METRIC_KEYS), per_micro)
+    sums = _reduce_metric_sums(("loss", *spec.objective.metric_keys, *POLICY_METRIC_KEYS), per_micro)
     metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
     metrics["normalizer"] = float(normalizer)
     return metrics
