@@ -201,3 +201,49 @@ def test_te_extra_state_is_checked_before_set_extra_state_unpickles_it(tmp_path)
         with pytest.raises(UnsafeCheckpointError, match=r"ckpt: layer\.linear\._extra_state .*posix\.system"):
             check_extra_states({"layer.linear._extra_state": hostile}, "ckpt")
     assert not os.path.exists(marker)
+
+
+def _forged_metadata(tmp_path, **storage) -> str:
+    """A one-tensor DCP ``.metadata`` (tensor 'w' [4] f32 in ``data.distcp``) with ``storage`` overriding
+    the storage entry's fields (relative_path, offset, length) or, with ``chunk``, the chunk's offset."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    directory = tmp_path / "forged"
+    directory.mkdir()
+    (directory / "data.distcp").write_bytes(b"\0" * 64)
+    offset = torch.Size([storage.pop("chunk", 0)])
+    chunk = ChunkStorageMetadata(offsets=offset, sizes=torch.Size([4]))
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), [chunk])
+    info = {"relative_path": "data.distcp", "offset": 0, "length": 64, **storage}
+    meta = Metadata({"w": entry}, storage_data={MetadataIndex("w", offset): _StorageInfo(**info)})
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    return str(directory)
+
+
+@pytest.mark.parametrize("forgery,fragment", [
+    ({"relative_path": "../../etc/passwd"}, "data file '../../etc/passwd' is not a plain file name"),
+    ({"relative_path": "/etc/passwd"}, "data file '/etc/passwd' is not a plain file name"),
+    ({"offset": -8}, "span offset=-8 length=64 is not two non-negative ints"),
+    ({"length": 64 << 30}, "is truncated or forged: w is said to span bytes [0, 68719476736), the file has 64"),
+    ({"relative_path": "gone.distcp"}, "data file gone.distcp (of w) is missing"),
+    ({"chunk": 2}, "chunk at [2] of [4] outside the tensor [4]"),
+])
+def test_forged_dcp_metadata_is_refused_before_any_read(tmp_path, forgery, fragment):
+    """Spans and file names of a ``.metadata`` are checked before DCP reads (and sizes a buffer from) them."""
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, check_data_spans, read_dcp_metadata
+
+    directory = _forged_metadata(tmp_path, **forgery)
+    with pytest.raises(UnsafeCheckpointError) as err:
+        check_data_spans(directory, read_dcp_metadata(directory))
+    assert fragment in str(err.value) and directory in str(err.value), str(err.value)
+
+
+def test_valid_dcp_metadata_passes(tmp_path):
+    from megatron_cascade.checkpoint_safety import check_data_spans, read_dcp_metadata
+
+    directory = _forged_metadata(tmp_path)
+    check_data_spans(directory, read_dcp_metadata(directory))
