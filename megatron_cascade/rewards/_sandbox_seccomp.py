@@ -9,6 +9,8 @@ launcher, which installs it right before ``execve`` (``prctl(PR_SET_SECCOMP)``, 
 * answers ``EPERM`` to every syscall in :data:`DENIED` -- the kernel keyring, tracing other
   processes, mounts and namespaces, bpf, perf, module/kexec/reboot and clock control, io_uring
   (its own path to syscalls);
+* refuses ``prctl(PR_SET_PDEATHSIG)``: the program must not clear the death signal that ends it
+  with the trainer;
 * refuses ``clone`` with any ``CLONE_NEW*`` flag (a user namespace would hand the program
   capabilities there) and answers ``clone3`` with ``ENOSYS`` (its flags sit in memory the
   filter cannot read; libc then falls back to ``clone``, as under Docker's default profile);
@@ -34,7 +36,7 @@ _NUMBERS: dict[str, dict[str, int]] = {
         "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
         "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_getfd": 438,
-        "mount_setattr": 442, "clone": 56, "clone3": 435,
+        "mount_setattr": 442, "clone": 56, "clone3": 435, "prctl": 157,
     },
     "aarch64": {
         "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41,
@@ -47,7 +49,7 @@ _NUMBERS: dict[str, dict[str, int]] = {
         "process_vm_writev": 271, "kcmp": 272, "finit_module": 273, "kexec_file_load": 294, "bpf": 280,
         "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-        "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442, "clone": 220, "clone3": 435,
+        "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442, "clone": 220, "clone3": 435, "prctl": 167,
     },
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -67,6 +69,7 @@ DENIED: tuple[str, ...] = (
 )
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (not NEWTIME: 0x80 is part
 # of the exit-signal byte in clone's flags).
+_PR_SET_PDEATHSIG = 1
 _CLONE_NEW_MASK = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
 # Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
@@ -111,10 +114,13 @@ def build_filter(machine: str) -> bytes:
     prog += [
         (_JEQ_K, "enosys", 0, nr["clone3"]),
         (_JEQ_K, "clone", 0, nr["clone"]),
+        (_JEQ_K, "prctl", 0, nr["prctl"]),
         (_RET_K, 0, 0, _RET_ALLOW),
     ]
     labels = {"clone": len(prog)}
     prog += [(_LD_W_ABS, 0, 0, _OFF_ARG0_LOW), (_JSET_K, "deny", 0, _CLONE_NEW_MASK), (_RET_K, 0, 0, _RET_ALLOW)]
+    labels["prctl"] = len(prog)
+    prog += [(_LD_W_ABS, 0, 0, _OFF_ARG0_LOW), (_JEQ_K, "deny", 0, _PR_SET_PDEATHSIG), (_RET_K, 0, 0, _RET_ALLOW)]
     for name, ret in (("deny", _RET_ERRNO | errno.EPERM), ("enosys", _RET_ERRNO | errno.ENOSYS),
                       ("kill", _RET_KILL_PROCESS)):
         labels[name] = len(prog)
