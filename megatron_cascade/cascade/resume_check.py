@@ -120,8 +120,8 @@ def result_changes(recorded: RunConfig, now: RunConfig, started: Sequence[str], 
         used |= set(stage.domains)
         if stage.name in now_by_name:
             prefix = f"stages.{stage.name}"
-            changes += _diff(asdict(resolve_stage(recorded, stage)), asdict(resolve_stage(now, now_by_name[stage.name])),
-                             prefix, relative_to=prefix + ".")
+            was, becomes = resolve_stage(recorded, stage), resolve_stage(now, now_by_name[stage.name])
+            changes += _diff(asdict(was), asdict(becomes), prefix, relative_to=prefix + ".")
     if evaluated:
         changes += _diff({"eval": old["eval"]}, {"eval": new["eval"]}, "")
         for key in _EVAL_ROLLOUT_KEYS:

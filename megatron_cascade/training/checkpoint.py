@@ -12,8 +12,9 @@ It is written as ``step_00000N.partial/`` and renamed when every rank has finish
 folder of it is fsynced; then the ``latest`` pointer is replaced atomically. A crash at any moment
 leaves either the previous ``latest`` or the new one, never a half-written one. ``state.json`` records
 every file's size (and small files' hashes): a latest checkpoint damaged afterwards (truncated, a
-file lost) is skipped with a warning for the previous intact one (``checkpoint_integrity``). Nothing here unpickles code: ``.metadata`` files are read with an
-allow-list, objects, ``common.pt`` and the RNG files with ``weights_only=True`` (``checkpoint_safety``).
+file lost) is skipped with a warning for the previous intact one (``checkpoint_integrity``).
+Nothing here unpickles code: ``.metadata`` files are read with an allow-list, objects, ``common.pt``
+and the RNG files with ``weights_only=True`` (``checkpoint_safety``).
 """
 
 from __future__ import annotations

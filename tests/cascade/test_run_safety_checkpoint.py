@@ -6,7 +6,8 @@
 * Every file and folder of a checkpoint has been fsynced when the ``latest`` pointer is replaced
   (before: ``state.json``, the RNG files, ``common.pt``, ``metadata.json`` and ``model_config.json``
   were not, nor any directory entry).
-* After a fallback, the next save removes the damaged newer checkpoint (an abandoned future).
+* After a fallback, the next save removes the damaged newer checkpoint (an abandoned future), so
+  that ``keep_last`` keeps intact ones (before: steps 3 and damaged 4 were kept, intact 2 deleted).
 """
 
 from __future__ import annotations
@@ -38,62 +39,57 @@ def _largest_file(folder: str) -> str:
     return max(files, key=os.path.getsize)
 
 
-def _fallback_worker(root: str, damage: str) -> dict:
+def _damage_and_resume(root: str, policy, damaged: int, damage: str) -> dict:
+    """Damage the largest file of a checkpoint's optimizer state, resume as the stage does (read_latest,
+    load), and save the next step, as a run stopped by its time limit right after it would."""
     from megatron_cascade.training.checkpoint import load_training_checkpoint, read_latest, save_training_checkpoint
 
-    policy = _policy()
-    for step in (1, 2):
-        save_training_checkpoint(root, step, policy, {"stage": "s"}, keep_last=2)
-    victim = _largest_file(os.path.join(root, "step_00000002", "optim"))
+    victim = _largest_file(os.path.join(root, f"step_{damaged:08d}", "optim"))
     if damage == "truncate":
         with open(victim, "r+b") as f:
-            f.truncate(os.path.getsize(victim) // 2)
+            f.truncate(10)
     else:
         os.remove(victim)
     latest = read_latest(root)
     state = load_training_checkpoint(latest, policy)
-    # The run goes on from step 1 and saves step 2 again: the damaged one is replaced; its newer
-    # leftovers (none here) would be removed.
-    save_training_checkpoint(root, 2, policy, {"stage": "s"}, keep_last=2)
+    save_training_checkpoint(root, state["step"] + 1, policy, {"stage": "s"}, keep_last=2)
     return {"latest": latest, "step": state["step"], "victim": os.path.relpath(victim, root),
             "after": read_latest(root), "dirs": sorted(os.listdir(root))}
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
-    root = str(tmp_path / "ckpt")
-    result = run_distributed(_fallback_worker, 1, root, damage)[0]
-    assert result["latest"] == os.path.join(root, "step_00000001"), result
-    assert result["step"] == 1
-    assert result["after"] == os.path.join(root, "step_00000002")
-    assert result["dirs"] == ["latest", "step_00000001", "step_00000002"]
-
-
-def _warning_worker(root: str) -> str:
-    """The warning's text, captured in the worker (its log records do not reach the parent)."""
-    from megatron_cascade.training.checkpoint import read_latest, save_training_checkpoint
+def _fallback_worker(root: str) -> dict:
+    from megatron_cascade.training.checkpoint import save_training_checkpoint
 
     policy = _policy()
-    for step in (1, 2):
-        save_training_checkpoint(root, step, policy, {}, keep_last=2)
-    victim = _largest_file(os.path.join(root, "step_00000002", "weights"))
-    with open(victim, "r+b") as f:
-        f.truncate(10)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
+    for step in (2, 4):  # checkpoint.every_steps=2
+        save_training_checkpoint(root, step, policy, {"stage": "s"}, keep_last=2)
+    warnings: list[str] = []  # the worker's log records do not reach the test process
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("megatron_cascade.training").addHandler(handler)
-    assert read_latest(root) == os.path.join(root, "step_00000001")
-    return "\n".join(records) + f"\nVICTIM {os.path.relpath(victim, os.path.join(root, 'step_00000002'))}"
+    truncated = _damage_and_resume(root, policy, 4, "truncate")  # resumes at 2, saves 3
+    removed = _damage_and_resume(root, policy, 3, "remove")  # resumes at 2, saves 3 again
+    return {"truncate": truncated, "remove": removed, "warnings": warnings}
 
 
-def test_the_fallback_warning_names_the_damaged_file_and_the_checkpoint_used(tmp_path):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path):
     root = str(tmp_path / "ckpt")
-    text = run_distributed(_warning_worker, 1, root)[0]
-    victim = text.rsplit("VICTIM ", 1)[1]
-    assert f"{os.path.join(root, 'step_00000002')} is damaged" in text, text
-    assert f"{victim}: 10 bytes" in text, text
-    assert f"resuming from the previous intact checkpoint {os.path.join(root, 'step_00000001')}" in text, text
+    result = run_distributed(_fallback_worker, 1, root)[0]
+    previous = os.path.join(root, "step_00000002")
+    for kind in ("truncate", "remove"):
+        case = result[kind]
+        assert case["latest"] == previous and case["step"] == 2, case
+        # The damaged step 4 (newer than the new latest) is gone; keep_last=2 kept the intact step 2.
+        assert case["after"] == os.path.join(root, "step_00000003"), case
+        assert case["dirs"] == ["latest", "step_00000002", "step_00000003"], case
+    first, second = result["warnings"]
+    truncated = os.path.relpath(result["truncate"]["victim"], "step_00000004")
+    removed = os.path.relpath(result["remove"]["victim"], "step_00000003")
+    step_4, step_3 = os.path.join(root, "step_00000004"), os.path.join(root, "step_00000003")
+    assert first.startswith(f"checkpoint {step_4} is damaged ({truncated}: 10 bytes, "), first
+    assert second.startswith(f"checkpoint {step_3} is damaged ({removed} is missing)"), second
+    for warning in (first, second):
+        assert warning.endswith(f"resuming from the previous intact checkpoint {previous} instead"), warning
 
 
 def _fsync_worker(root: str) -> dict:
