@@ -25,6 +25,7 @@ from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
 from megatron_cascade.config.model import FP8Config, ModelConfig
 from megatron_cascade.config.schema import ResolvedStage
 from megatron_cascade.model import Layout, resolve_layout
+from megatron_cascade.stages.registry import stage_type
 
 GIB = 2**30
 _FP8_ALIGN = 16  # TE FP8 GEMMs need both operand dims divisible by 16
@@ -362,24 +363,25 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     m = cfg.model
     e = _DTYPE_BYTES[m.precision]
     dense, expert = params_per_gpu(cfg, layout)
-    samples = stage.prompts_per_step * (1 if stage.type == "sft" else stage.samples_per_prompt) // layout.dp
+    kind = stage_type(stage.type)
+    samples = stage.prompts_per_step * (stage.samples_per_prompt if kind.generates else 1) // layout.dp
     prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
-    seq = min(m.max_position_embeddings, prompt + (0 if stage.type == "sft" else stage.rollout.max_new_tokens))
+    seq = min(m.max_position_embeddings, prompt + (stage.rollout.max_new_tokens if kind.generates else 0))
     micro = stage.training.micro_batch_size
     in_flight = min(layout.pp, max(1, math.ceil(samples / micro)))
     train_shape = Shape(seq, micro)
     activations = training_activation_bytes(cfg, layout, train_shape, in_flight)
     logits = logits_bytes(m, layout, seq / layout.cp * micro)
     frozen_weights = e * (dense + expert)
-    with_reference = stage.type == "grpo" and stage.loss.kl_coef > 0
-    frozen = frozen_weights if (with_reference or stage.type == "mopd") else 0.0
+    with_reference = kind.kl_reference and stage.loss.kl_coef > 0
+    frozen = frozen_weights if (with_reference or kind.teachers) else 0.0
     static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
     kv = generation = 0.0
     concurrent = local_samples = 0
-    if stage.type != "sft":
+    if kind.generates:
         gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen)
         kv, generation, concurrent, local_samples = gen.kv_cache, gen.kv_cache + gen.step, gen.concurrent, gen.samples
-    distinct_teachers = len(set(stage.teachers.values())) if stage.type == "mopd" else 0
+    distinct_teachers = len(set(stage.teachers.values())) if kind.teachers else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
                        host / GIB, concurrent, local_samples)
@@ -392,7 +394,7 @@ def _concurrency(mem: StageMemory) -> str:
 def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
     frozen = ""
     if mem.frozen:
-        frozen = f" + {'teacher' if stage.type == 'mopd' else 'kl-reference'} {mem.frozen:.1f}"
+        frozen = f" + {'teacher' if stage_type(stage.type).teachers else 'kl-reference'} {mem.frozen:.1f}"
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "

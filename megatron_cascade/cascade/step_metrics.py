@@ -27,14 +27,8 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
     """
     domains = sorted(k.split("/", 1)[1] for k in total if k.startswith("samples/"))
     sum_of = lambda prefix: sum(total[f"{prefix}/{d}"] for d in domains)  # noqa: E731
-    samples, scored = sum_of("samples"), sum_of("scored")
-    mean = _div(sum_of("reward_sum"), scored)
+    samples = sum_of("samples")
     out = {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(max(0.0, _div(sum_of("reward_sq_sum"), scored) - mean * mean)),
-        "reward/raw_mean": _div(sum_of("raw_reward_sum"), scored),
-        "reward/errors": samples - scored,
-        "reward/error_frac": _div(samples - scored, samples),
         "response/length_mean": _div(sum_of("length_sum"), samples),
         "response/length_max": peaks["response_length_max"],
         "finish/stop_frac": _div(sum_of("stop_sum"), samples),
@@ -42,10 +36,11 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         "sampling/rounds": peaks["sampling_rounds"],
         "sampling/groups_generated": total["groups"],
     }
+    if any(k.startswith("scored/") for k in total):  # a stage with rewards
+        out.update(_reward_metrics(total, domains, samples, sum_of))
     out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]
     for d in domains:
         if total[f"samples/{d}"]:
-            out[f"reward/{d}"] = _div(total[f"reward_sum/{d}"], total[f"scored/{d}"])
             out[f"response/length_mean/{d}"] = _div(total[f"length_sum/{d}"], total[f"samples/{d}"])
             out[f"finish/stop_frac/{d}"] = _div(total[f"stop_sum/{d}"], total[f"samples/{d}"])
     if "groups_trained" in total:
@@ -53,6 +48,24 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         out["batch/effective_frac"] = total["groups_trained"] / prompts_per_step
         out["advantage/abs_mean"] = _div(total["advantage_abs_sum"], total["samples_trained"])
     out.update(_reverse_kl(total, teachers))
+    return out
+
+
+def _reward_metrics(total: dict[str, float], domains: list[str], samples: float, sum_of) -> dict[str, float]:
+    """Reward mean/std over samples whose reward did not fail (after the overlong policy), the
+    verifiers' raw mean, failures, and the mean per domain."""
+    scored = sum_of("scored")
+    mean = _div(sum_of("reward_sum"), scored)
+    out = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(0.0, _div(sum_of("reward_sq_sum"), scored) - mean * mean)),
+        "reward/raw_mean": _div(sum_of("raw_reward_sum"), scored),
+        "reward/errors": samples - scored,
+        "reward/error_frac": _div(samples - scored, samples),
+    }
+    for d in domains:
+        if total[f"scored/{d}"]:
+            out[f"reward/{d}"] = total[f"reward_sum/{d}"] / total[f"scored/{d}"]
     return out
 
 

@@ -17,10 +17,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_cascade.config.rules import ConfigError, validate_tree
-from megatron_cascade.config.schema import STAGE_TYPES, ResolvedStage, RolloutConfig, RunConfig, StageConfig
+from megatron_cascade.config.schema import ResolvedStage, RolloutConfig, RunConfig, StageConfig
 from megatron_cascade.config.training import (
     LossConfig, OptimizerConfig, TrainingConfig, validate_optimizer_config,
 )
+from megatron_cascade.stages.registry import STAGE_TYPES, stage_type
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ENUM_REFUSAL = re.compile(r"Invalid value '(.*)', expected one of \[(.*)\]")
@@ -206,7 +207,7 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
         if stage.name in seen:
             raise ConfigError(f"{where}: stage name {stage.name!r} is used twice")
         if stage.type not in STAGE_TYPES:
-            raise ConfigError(f"{where}: type={stage.type!r} is not one of {list(STAGE_TYPES)}")
+            raise ConfigError(f"{where}: type={stage.type!r} is not one of {sorted(STAGE_TYPES)}")
         if not stage.domains:
             raise ConfigError(f"{where}: 'domains' is empty: name the domains (and weights) this stage trains on")
         for domain in stage.domains:
@@ -236,16 +237,22 @@ def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None
     if stage.rollout.max_new_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(f"{where}: rollout.max_new_tokens={stage.rollout.max_new_tokens} leaves no room for the "
                           f"prompt in model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if stage.rollout.dynamic_sampling_max_rounds > 1 and not stage_type(stage.type).groups:
+        raise ConfigError(f"{where}: rollout.dynamic_sampling_max_rounds > 1 refills filtered response groups; "
+                          f"a {stage.type} stage has none (only {[n for n, e in STAGE_TYPES.items() if e.groups]})")
 
 
 def _validate_teachers(stage: StageConfig, earlier: list[str], where: str, check_paths: bool) -> None:
-    if stage.type != "mopd":
+    if not stage_type(stage.type).teachers:
         if stage.teachers:
-            raise ConfigError(f"{where}: 'teachers' is only used by mopd stages (this one is {stage.type})")
+            raise ConfigError(f"{where}: 'teachers' is only used by stage types that distill from teachers "
+                              f"({[name for name, entry in STAGE_TYPES.items() if entry.teachers]}); "
+                              f"this one is {stage.type}")
         return
     for domain in stage.domains:
         if domain not in stage.teachers:
-            raise ConfigError(f"{where}: mopd needs a teacher for domain {domain!r} (teachers.{domain}: <stage name>)")
+            raise ConfigError(f"{where}: {stage.type} needs a teacher for domain {domain!r} "
+                              f"(teachers.{domain}: <stage name>)")
     for domain, teacher in stage.teachers.items():
         if domain not in stage.domains:
             raise ConfigError(f"{where}: teachers.{domain}: the stage does not train on domain {domain!r}")

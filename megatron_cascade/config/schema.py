@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional
 from megatron_cascade.config.model import ModelConfig, ParallelConfig
 from megatron_cascade.config.rules import Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
+from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
 
-STAGE_TYPES = ("sft", "grpo", "mopd")
+STAGE_TYPES = tuple(_REGISTERED_STAGE_TYPES)  # the stage-type registry (megatron_cascade/stages)
 
 
 class OverlongPolicy(Choice):
@@ -168,7 +169,7 @@ class StageConfig:
     """One stage of the cascade. Sections left null inherit the run-level ones."""
 
     name: str = "???"
-    type: str = "grpo"  # sft | grpo | mopd
+    type: str = "grpo"  # a registered stage type: sft | grpo | mopd | distill
     steps: int = ranged(10, ge=1)
     prompts_per_step: int = ranged(16, ge=1)  # global, over all data-parallel ranks
     samples_per_prompt: int = ranged(4, ge=1)  # G (sft: ignored; grpo: >= 2, a group of one has no signal)
@@ -185,9 +186,10 @@ class StageConfig:
             require(math.isfinite(weight) and weight > 0,
                     f"{prefix}domains.{domain}={weight} must be > 0 (a sampling weight)")
         # GRPO advantages compare the responses of a group: a group of one is all zeros.
-        require(self.type != "grpo" or self.samples_per_prompt >= 2,
-                f"{prefix}samples_per_prompt={self.samples_per_prompt}: a grpo stage needs >= 2 responses per "
-                "prompt (a group of one has advantage 0 and trains nothing)")
+        groups = self.type in _REGISTERED_STAGE_TYPES and _REGISTERED_STAGE_TYPES[self.type].groups
+        require(not groups or self.samples_per_prompt >= 2,
+                f"{prefix}samples_per_prompt={self.samples_per_prompt}: a {self.type} stage needs >= 2 responses "
+                "per prompt (a group of one has advantage 0 and trains nothing)")
 
 
 @dataclass

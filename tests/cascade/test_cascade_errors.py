@@ -29,7 +29,7 @@ def short(tmp_path):
     ("stages.mopd.domains={code: 1.0}", "mopd needs a teacher for domain .code."),
     ("stages.mopd.teachers.math=rlhf", "neither an earlier stage"),
     ("stages.mopd.teachers.math=./no/such/folder", "checkpoint folder .* does not exist"),
-    ("stages.sft.teachers={math: sft}", "only used by mopd stages"),
+    ("stages.sft.teachers={math: sft}", "only used by stage types that distill from teachers"),
     ("stages.if_rl.optimizer.lr_decay_style=step", r"lr_decay_style='step' is not one of"),
     ("loss.importance_correction=clip", r"importance_correction='clip' is not one of"),
     ("stages.if_rl.rollout.max_new_tokens=1000", "leaves no room for the prompt"),

@@ -59,7 +59,7 @@ def _step_worker(tmp: str, rounds: int):
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)
     runner = StageRunner(build_context(cfg), 0, resolve_stage(cfg, cfg.stages[0]))
     runner._build()
-    runner.rewards = {"math": _half_informative}
+    runner.kind.rewards = {"math": _half_informative}
     metrics = runner._step(0)
     return {k: metrics[k] for k in ("batch/effective_prompts", "batch/effective_frac", "sampling/rounds",
                                     "sampling/groups_generated", "groups/informative_frac", "tokens")}

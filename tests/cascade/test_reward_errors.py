@@ -61,7 +61,7 @@ def _runner(tmp: str, max_error_frac: float, reward):
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)
     runner = StageRunner(build_context(cfg), 0, resolve_stage(cfg, cfg.stages[0]))
     runner._build()
-    runner.rewards = {"math": reward}
+    runner.kind.rewards = {"math": reward}
     return runner
 
 
@@ -69,10 +69,10 @@ def _invalid_samples_worker(tmp: str):
     from megatron_cascade.rollout import KVCacheConfig, generate
 
     runner = _runner(tmp, 1.0, _sometimes_failing)
-    examples = runner._my_share(0)
+    examples = runner.my_share(0)
     G = runner.stage.samples_per_prompt
     # The step's rollouts (generation is seeded by the step): which rewards fail, and the scores.
-    rollouts = generate(runner.policy.module, [list(e.prompt_ids) for e in examples], runner._sampling(0, G),
+    rollouts = generate(runner.policy.module, [list(e.prompt_ids) for e in examples], runner.kind.sampling(0, G),
                         tokenizer=runner.tok, kv_cache=KVCacheConfig.from_rollout(runner.stage.rollout))
     errored, scores = [], []
     for s in rollouts:
@@ -83,7 +83,8 @@ def _invalid_samples_worker(tmp: str):
             scores.append(0.0)
             errored.append(True)
     finished = torch.tensor([s.finish_reason == "stop" for s in rollouts]).view(len(examples), G)
-    batch, sums, _, _ = runner._rollout_step(0, examples)
+    made = runner.kind.make_batch(0, examples)
+    batch, sums = made.batch, made.sums
     return (torch.tensor(errored).view(len(examples), G), torch.tensor(scores, dtype=torch.float64).view(len(examples), G),
             finished, batch.loss_mask.sum(1), batch.advantages, sums, runner.stage.rollout)
 

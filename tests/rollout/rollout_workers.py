@@ -67,12 +67,12 @@ def _training_check(model, batch, temperature: float) -> dict:
 
 
 def _stage_trainer_check(model, batch, params: SamplingParams) -> dict:
-    """The GRPO stage's own path: ``stage_loss_spec`` from a rollout section sampling like ``params``,
+    """The GRPO stage's own path: ``rollout_loss_spec`` from a rollout section sampling like ``params``,
     ``rollout_batch`` packing, ``token_logprobs`` — vs the log-probs of the distribution sampled from."""
     from megatron.core import parallel_state as ps
 
     from megatron_cascade.cascade.batches import rollout_batch
-    from megatron_cascade.cascade.stage import stage_loss_spec
+    from megatron_cascade.stages.sampling_spec import rollout_loss_spec
     from megatron_cascade.config import LossConfig, OptimizerConfig, TrainingConfig
     from megatron_cascade.config.schema import ResolvedStage, RolloutConfig
     from megatron_cascade.training.loss_plugin import token_logprobs
@@ -80,7 +80,7 @@ def _stage_trainer_check(model, batch, params: SamplingParams) -> dict:
     rollout = RolloutConfig(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     stage = ResolvedStage("rl", "grpo", 1, 1, 1, {"d": 1.0}, {}, OptimizerConfig(), LossConfig(), TrainingConfig(),
                           rollout)
-    spec = stage_loss_spec(stage, TOKENIZER.vocab_size)
+    spec = rollout_loss_spec(stage, "grpo", TOKENIZER.vocab_size)
     train = rollout_batch(batch, TOKENIZER, keep=torch.ones(len(batch), dtype=torch.bool),
                           advantages=torch.zeros(len(batch)), truncated=spec.truncated)
     model.eval()

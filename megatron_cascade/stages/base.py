@@ -1,0 +1,69 @@
+"""The per-type part of a cascade stage, and what it hands the runner each step.
+
+``cascade/stage.py`` (``StageRunner``) owns what every stage does the same way: the policy and its
+start weights, resume, the prompt mixer, the step loop, checkpoints, logging, final weights and
+evaluation. A ``StageType`` says where its data comes from, what it optimises, what it builds
+once (reference models, teachers, rewards) and how a step's batch is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from megatron_cascade.stages.registry import StageTypeEntry, stage_type
+
+if TYPE_CHECKING:  # the runner imports this module
+    from megatron_cascade.cascade.data import Example
+    from megatron_cascade.cascade.stage import StageRunner
+    from megatron_cascade.training import LossSpec, TrainBatch
+
+
+@dataclass
+class StepBatch:
+    """One step's training batch on this rank and what the runner logs about it.
+
+    Attributes:
+        batch: the rank's share of the global batch.
+        sums: metric sums, all-reduced (SUM) over data-parallel ranks by the runner.
+        maxes: metric maxima, all-reduced (MAX).
+        timing: seconds spent per phase on this rank (``time/*``).
+    """
+
+    batch: "TrainBatch"
+    sums: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+class StageType:
+    """Base class of a stage type (register it in ``stages/registry.py``).
+
+    Attributes:
+        needs_response: its data rows must carry a reference ``response`` (SFT).
+    """
+
+    needs_response: ClassVar[bool] = False
+
+    def __init__(self, runner: "StageRunner") -> None:
+        self.runner = runner
+        self.entry: StageTypeEntry = stage_type(runner.stage.type)
+
+    def loss_spec(self, vocab_size: int) -> "LossSpec":
+        """What the stage optimises (default: the registered loss on the log-probs of the distribution
+        the rollouts were sampled from: temperature, top-k, top-p of ``rollout``)."""
+        from megatron_cascade.stages.sampling_spec import rollout_loss_spec
+
+        return rollout_loss_spec(self.runner.stage, self.entry.loss, vocab_size)
+
+    def data_file(self, domain: str) -> str:
+        """The JSONL file this stage draws ``domain``'s rows from (default: the domain's ``train``)."""
+        return self.runner.cfg.domains[domain].train
+
+    def setup(self) -> None:
+        """Build what the stage needs besides the policy. Called once the policy holds the stage's start
+        weights and before a resume loads a checkpoint over them (a KL reference is the stage start)."""
+
+    def make_batch(self, step: int, examples: list["Example"]) -> StepBatch:
+        """The batch of ``step`` from this rank's ``examples`` (collective where the type needs it)."""
+        raise NotImplementedError

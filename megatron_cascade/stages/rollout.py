@@ -1,0 +1,129 @@
+"""Stages that train on their own samples: generation rounds, rewards scored while decoding, the
+overlong policy, and the rollout sums every such stage logs. Subclasses turn the chosen groups
+into a training batch (``train_batch``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.algorithms import apply_overlong_policy, informative_groups
+from megatron_cascade.cascade.data import Example
+from megatron_cascade.cascade.groups import GroupRound, merge_groups, select_groups
+from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards, check_error_fraction
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+from megatron_cascade.stages.base import StageType, StepBatch
+from megatron_cascade.training.policy import finish_param_sync
+
+
+class RolloutStage(StageType):
+    """Generate ``samples_per_prompt`` responses per prompt with the policy, score them (when the type
+    has rewards), and train on them."""
+
+    def setup(self) -> None:
+        r = self.runner
+        self.rewards = build_domain_rewards(r.cfg.domains, r.stage.domains) if self.entry.rewards else {}
+
+    def make_batch(self, step: int, examples: list[Example]) -> StepBatch:
+        timing = {"time/generation_s": 0.0, "time/reward_s": 0.0}
+        rounds = self._generate_groups(step, examples, timing)
+        dynamic = self.runner.stage.rollout.dynamic_sampling_max_rounds > 1
+        chosen = merge_groups(rounds, select_groups(rounds, len(examples), informative_first=dynamic))
+        sums, maxes = self._rollout_sums(rounds)
+        return StepBatch(self.train_batch(chosen, sums, timing), sums, maxes, timing)
+
+    def train_batch(self, chosen: GroupRound, sums: dict[str, float], timing: dict[str, float]):
+        """The ``TrainBatch`` of the chosen groups; may add sums and timings."""
+        raise NotImplementedError
+
+    # -- generation ------------------------------------------------------------------------------
+    def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
+        """Sampling of ``step``'s ``round``: seeded by (seed, stage, step, DP rank, round)."""
+        r = self.runner
+        ro = r.stage.rollout
+        seed = (r.cfg.seed * 1_000_003 + r.index * 10_007 + step) * 131 + r.dp_rank + round * 7_368_787
+        return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                              max_new_tokens=ro.max_new_tokens, stop_strings=tuple(ro.stop_strings), n=n, seed=seed)
+
+    def _generate_round(self, step: int, round: int, examples: list[Example], timing: dict) -> GroupRound:
+        """Generate G responses per prompt, score them (while decoding), apply the overlong policy."""
+        r = self.runner
+        G = r.stage.samples_per_prompt
+        t0 = time.perf_counter()
+        finish_param_sync(r.policy)  # generation reads the weights of the last step
+        # Each sample is scored the moment it finishes, while the others decode on.
+        scorer = RolloutScorer(self.rewards, r.cfg.domains, r.tok, [e.row for e in examples],
+                               [e.domain for e in examples]) if self.entry.rewards else None
+        with scorer or contextlib.nullcontext():
+            rollouts = generate(r.policy.module, [list(e.prompt_ids) for e in examples], self.sampling(step, G, round),
+                                tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
+                                on_finished=scorer.on_finished if scorer else None)
+            timing["time/generation_s"] += time.perf_counter() - t0
+            if scorer:
+                scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers
+                timing["time/reward_s"] += reward_s
+            else:
+                scores = torch.zeros(len(rollouts), dtype=torch.float64)
+                errored = torch.zeros(len(rollouts), dtype=torch.bool)
+        if self.entry.rewards:
+            # Before anything is trained on this step: every rank stops if the rewards largely failed.
+            check_error_fraction(errored, [examples[s.prompt_index].domain for s in rollouts], r.cfg.domains,
+                                 list(r.stage.domains), r.cfg.rewards.max_error_frac, r.dp_group)
+        finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
+        rewards, keep = apply_overlong_policy(scores.view(len(examples), G), finished.view(len(examples), G),
+                                              policy=r.stage.rollout.overlong_policy)
+        # A failed reward's 0 is not a verdict on the response: the sample leaves the loss, the
+        # normaliser and its group's advantage statistics.
+        keep = keep & ~errored.view(len(examples), G)
+        return GroupRound(examples, rollouts, scores, errored, rewards, keep, informative_groups(rewards, valid=keep))
+
+    def _generate_groups(self, step: int, examples: list[Example], timing: dict) -> list[GroupRound]:
+        """Round 0 on ``examples``; with dynamic sampling further rounds on further prompts until every
+        rank has its share of informative groups (decided on all data-parallel ranks together)."""
+        r = self.runner
+        rounds = [self._generate_round(step, 0, examples, timing)]
+        quota = len(examples)
+        while len(rounds) < r.stage.rollout.dynamic_sampling_max_rounds:
+            found = sum(int(rnd.informative.sum()) for rnd in rounds)
+            have = torch.tensor([float(min(found, quota))], dtype=torch.float64)
+            dist.all_reduce(have, group=r.dp_group)
+            if have.item() >= r.stage.prompts_per_step:
+                break
+            rounds.append(self._generate_round(step, len(rounds), r.my_share(step, len(rounds)), timing))
+        return rounds
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def _rollout_sums(self, rounds: list[GroupRound]) -> tuple[dict[str, float], dict[str, float]]:
+        """Step sums (and maxima) of this rank over every generated sample of every round. Reward
+        statistics (stages with rewards) count only samples whose reward did not fail, after the
+        overlong policy (the rewards advantages see; ``raw_reward``: the verifiers' scores)."""
+        sums: dict[str, float] = {"groups": 0.0, "groups_informative": 0.0}
+        longest = 0.0
+        for rnd in rounds:
+            scored = ~rnd.errored
+            reward = rnd.rewards.flatten().to(torch.float64)
+            lengths = torch.tensor([float(len(s.response_ids)) for s in rnd.rollouts])
+            stopped = torch.tensor([float(s.finish_reason == "stop") for s in rnd.rollouts])
+            longest = max(longest, float(lengths.max()) if len(lengths) else 0.0)
+            domains = rnd.sample_domains
+            _add(sums, "groups", float(len(rnd.examples)))
+            _add(sums, "groups_informative", float(rnd.informative.sum()))
+            for domain in self.runner.stage.domains:
+                mine = torch.tensor([d == domain for d in domains], dtype=torch.bool)
+                _add(sums, f"samples/{domain}", float(mine.sum()))
+                _add(sums, f"length_sum/{domain}", float(lengths[mine].sum()))
+                _add(sums, f"stop_sum/{domain}", float(stopped[mine].sum()))
+                if self.entry.rewards:
+                    ok = mine & scored
+                    _add(sums, f"scored/{domain}", float(ok.sum()))
+                    _add(sums, f"reward_sum/{domain}", float(reward[ok].sum()))
+                    _add(sums, f"reward_sq_sum/{domain}", float((reward[ok] ** 2).sum()))
+                    _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))
+        return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds))}
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
