@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Callable
 
-from megatron_cascade.rewards.registry import register_reward
+from megatron_cascade.rewards.registry import register_reward, run_in_process
 
 Checker = Callable[..., bool]
 INSTRUCTIONS: dict[str, Checker] = {}
@@ -91,9 +91,11 @@ def nth_paragraph_first_word(text: str, *, num_paragraphs: int, nth_paragraph: i
 
 @_instruction("detectable_format:json_format")
 def json_format(text: str) -> bool:
+    # String operations, as Google's IFEval: the regex r"\s*```$" was quadratic in whitespace runs.
     body = text.strip()
-    body = re.sub(r"^```(?:json|Json|JSON)?\s*", "", body)
-    body = re.sub(r"\s*```$", "", body)
+    for fence in ("```json", "```Json", "```JSON", "```"):
+        body = body.removeprefix(fence)
+    body = body.removesuffix("```").strip()
     try:
         json.loads(body)
     except ValueError:
@@ -103,14 +105,29 @@ def json_format(text: str) -> bool:
 
 @_instruction("detectable_format:number_bullet_lists")
 def number_bullet_lists(text: str, *, num_bullets: int) -> bool:
-    stars = re.findall(r"^\s*\*[^\*].*$", text, flags=re.MULTILINE)
-    dashes = re.findall(r"^\s*-.*$", text, flags=re.MULTILINE)
-    return len(stars) + len(dashes) == int(num_bullets)
+    # Lines whose first non-blank character is "*" (not "**") or "-": IFEval's r"^\s*\*[^\*].*$" and
+    # r"^\s*-.*$", line by line. Those regexes let \s* run across newlines, which made them quadratic.
+    bodies = [line.lstrip() for line in text.split("\n")]
+    count = sum(body.startswith("-") for body in bodies)
+    i = 0
+    while i < len(bodies):
+        if bodies[i] == "*" and i + 1 < len(bodies):  # IFEval's [^\*] takes the newline, .* the next line
+            count, i = count + 1, i + 2
+            continue
+        count += len(bodies[i]) > 1 and bodies[i][0] == "*" and bodies[i][1] != "*"
+        i += 1
+    return count == int(num_bullets)
 
 
 @_instruction("detectable_format:title")
 def title(text: str) -> bool:
-    return any(t.strip() for t in re.findall(r"<<([^\n]+)>>", text))
+    # IFEval's r"<<[^\n]+>>" spans a line's first "<<" to its last ">>"; found without the regex,
+    # which rescanned the line from every "<<" ("<<<<...": quadratic).
+    for line in text.split("\n"):
+        start, end = line.find("<<"), line.rfind(">>")
+        if 0 <= start and end > start + 2 and line[start + 2:end].lstrip("<").rstrip(">").strip():
+            return True
+    return False
 
 
 @_instruction("detectable_format:number_highlighted_sections")
@@ -137,12 +154,14 @@ def constrained_response(text: str) -> bool:
 
 @_instruction("change_case:english_lowercase")
 def english_lowercase(text: str) -> bool:
-    return text == text.lower()
+    # str.islower needs at least one cased letter: "" or "123" follow neither case instruction
+    # (Google's IFEval); text == text.lower() accepted them for both.
+    return text.islower()
 
 
 @_instruction("change_case:english_capital")
 def english_capital(text: str) -> bool:
-    return text == text.upper()
+    return text.isupper()
 
 
 @_instruction("change_case:capital_word_frequency")
@@ -192,18 +211,35 @@ def quotation(text: str) -> bool:
 @_instruction("detectable_content:postscript")
 def postscript(text: str, *, postscript_marker: str) -> bool:
     marker = postscript_marker.strip()
+    # IFEval's patterns began with r"\s*", which changes nothing in a search but rescanned every
+    # whitespace run from each of its characters (quadratic); dropped.
     if marker == "P.P.S":
-        pattern = r"\s*p\.\s?p\.\s?s.*$"
+        pattern = r"p\.\s?p\.\s?s.*$"
     elif marker == "P.S.":
-        pattern = r"\s*p\.\s?s\..*$"
+        pattern = r"p\.\s?s\..*$"
     else:
-        pattern = r"\s*" + re.escape(marker.lower()) + r".*$"
+        pattern = re.escape(marker.lower()) + r".*$"
     return re.search(pattern, text.lower(), flags=re.MULTILINE) is not None
+
+
+def _count_bracketed(text: str) -> int:
+    """Matches of IFEval's r"\[.*?\]" (a "[" up to the next "]" on its line, non-overlapping),
+    counted in one pass: the regex rescanned a line from each unclosed "[" (quadratic)."""
+    count = 0
+    for line in text.split("\n"):
+        start = line.find("[")
+        while start >= 0:
+            end = line.find("]", start + 1)
+            if end < 0:
+                break  # no "]" after this "[", so none after a later one either
+            count += 1
+            start = line.find("[", end + 1)
+    return count
 
 
 @_instruction("detectable_content:number_placeholders")
 def number_placeholders(text: str, *, num_placeholders: int) -> bool:
-    return len(re.findall(r"\[.*?\]", text)) >= int(num_placeholders)
+    return _count_bracketed(text) >= int(num_placeholders)
 
 
 @_instruction("combination:repeat_prompt")
@@ -255,6 +291,7 @@ def check_instruction(instruction_id: str, response: str, kwargs: dict[str, Any]
 
 
 @register_reward("instruction_following")
+@run_in_process
 def instruction_following_reward(response: str, sample: dict, *, all_or_nothing: bool = False) -> float:
     """Fraction of ``sample["instructions"]`` followed (1.0/0.0 with ``all_or_nothing``)."""
     instructions = sample["instructions"]

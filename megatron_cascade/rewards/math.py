@@ -20,7 +20,7 @@ from typing import Any
 
 from math_verify import parse, verify
 
-from megatron_cascade.rewards.registry import register_reward
+from megatron_cascade.rewards.registry import register_reward, run_in_process
 
 # math-verify logs a warning each time timeouts are disabled; that is our intent here.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -85,6 +85,7 @@ def is_equivalent(response: str, answer: Any) -> bool:
 
 
 @register_reward("math")
+@run_in_process
 def math_reward(response: str, sample: dict) -> float:
     """1.0 if the final answer equals ``sample["answer"]`` symbolically, else 0.0."""
     return 1.0 if is_equivalent(response, sample["answer"]) else 0.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import string
 
-from megatron_cascade.rewards.registry import register_reward
+from megatron_cascade.rewards.registry import register_reward, run_in_process
 
 _PATTERNS = (
     re.compile(r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}"),
@@ -37,6 +37,7 @@ def extract_choice(response: str, valid: str = string.ascii_uppercase[:10]) -> s
 
 
 @register_reward("multiple_choice")
+@run_in_process
 def multiple_choice_reward(response: str, sample: dict) -> float:
     """1.0 if the chosen letter equals ``sample["answer"]``, else 0.0."""
     choice = extract_choice(response, _valid_letters(sample))

@@ -7,6 +7,10 @@ YAML specs such as ``{name: code, kwargs: {timeout_s: 5, partial: false}}`` via
 ``batch_fn(responses, samples, **kwargs) -> list[float | BaseException]``; batch scoring
 (:func:`megatron_cascade.rewards.scoring.score_batch`) then uses it, e.g. to run many
 programs on one sandbox pool or to send one HTTP request per batch.
+
+A reward marked with :func:`run_in_process` (every built-in verifier) is scored in a worker
+process that is killed at its deadline (:mod:`megatron_cascade.rewards.isolation`): CPU-bound
+parsing such as SymPy's can hold the GIL for minutes, and a thread cannot be stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return deco
+
+
+def run_in_process(fn: RewardFn) -> RewardFn:
+    """Decorator: score ``fn`` in a killable worker process instead of a thread (batch scoring,
+    :class:`megatron_cascade.rewards.scoring.ScoringPool`). For CPU-bound pure-Python rewards; ``fn``
+    must be importable by name (module level) and its arguments and result picklable."""
+    fn.run_in_process = True  # type: ignore[attr-defined]
+    return fn
+
+
+def runs_in_process(reward: Callable[..., Any]) -> bool:
+    """Whether ``reward`` (a function or a :class:`BoundReward`) is marked :func:`run_in_process`."""
+    return bool(getattr(getattr(reward, "fn", reward), "run_in_process", False))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ so that training can leave the sample out rather than learn from the 0) and logg
 ``score_batch`` scores a whole list at once; ``ScoringPool`` takes responses one by one while
 the caller does other work (generation hands it each sample as it finishes) and waits only for
 the stragglers. Both apply the same rules: the pool's dispatcher is what ``score_batch`` runs.
+CPU-bound verifiers run in killable worker processes (:mod:`megatron_cascade.rewards.isolation`),
+so that no response can hold the trainer past its deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_cascade.rewards.registry import BoundReward
+from megatron_cascade.rewards.isolation import verifier_pool
+from megatron_cascade.rewards.registry import BoundReward, runs_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ def score_batch(reward_fn: Callable[[str, dict], float], responses: Sequence[str
         reward_fn: ``(response, sample) -> float``; a :class:`BoundReward` with a native
             batch implementation (``code``, ``reward_model``) is called once for the whole
             batch and enforces its own timeouts (sandbox wall clock, HTTP timeouts).
-        timeout_s: per-response limit in seconds for thread-pooled rewards. A timed-out
+        timeout_s: per-response limit in seconds. A reward marked ``run_in_process`` (the
+            built-in verifiers) is killed with its worker process at the limit; another timed-out
             call cannot be interrupted: its thread is abandoned (daemon) and replaced.
         max_workers: threads (default ``os.cpu_count()``).
 
@@ -76,9 +80,12 @@ def _run_threads(fn: Callable[[str, dict], float], responses: Sequence[str],
 class ScoringPool:
     """Scores responses in worker threads as they are submitted; ``results()`` waits for the rest.
 
-    Per item the rules of :func:`score_batch`: a plain reward runs in its own thread and a call
-    still running ``timeout_s`` after it started scores ``TimeoutError`` (its thread is
-    abandoned, daemon, and its slot reused); a :class:`BoundReward` with a native batch
+    Per item the rules of :func:`score_batch`: a reward marked
+    :func:`~megatron_cascade.rewards.registry.run_in_process` (the built-in verifiers) runs in a
+    worker process of :func:`~megatron_cascade.rewards.isolation.verifier_pool`, killed when the call
+    is still running ``timeout_s`` after the worker started it; another plain reward runs in its own
+    thread and a call still running ``timeout_s`` after it started scores ``TimeoutError`` (its
+    thread is abandoned, daemon, and its slot reused: C code holding the GIL cannot be stopped); a :class:`BoundReward` with a native batch
     implementation gets every item of it waiting for a worker in one ``batch`` call (items queue
     up while the workers are busy) and enforces its own timeouts. At most ``max_workers`` calls
     (default ``os.cpu_count()``) are live at once. Threads suit rewards that wait on sandboxed
@@ -133,7 +140,10 @@ class ScoringPool:
             while True:
                 while len(active) < self.max_workers and pending:
                     items = _next_job(pending)
-                    deadline = None if len(items) > 1 or _is_batch(items[0][1]) else time.monotonic() + items[0][4]
+                    # Batch rewards enforce their own limits; a process-run reward's deadline starts
+                    # when its worker has it loaded (the "started" event), as the worker's own kill.
+                    untimed = len(items) > 1 or _is_batch(items[0][1]) or runs_in_process(items[0][1])
+                    deadline = None if untimed else time.monotonic() + items[0][4]
                     active[jobs] = ([item[0] for item in items], deadline)
                     threading.Thread(target=self._work, args=(jobs, items), daemon=True,
                                      name=f"reward-{items[0][0]}").start()
@@ -150,6 +160,9 @@ class ScoringPool:
                     pending.append(payload)
                 elif kind == "close":
                     closed = True
+                elif kind == "started" and payload[0] in active:
+                    indices, _ = active[payload[0]]
+                    active[payload[0]] = (indices, payload[1])
                 elif kind == "done" and payload[0] in active:  # abandoned (timed-out) jobs are dropped
                     indices, _ = active.pop(payload[0])
                     results.update(zip(indices, payload[1]))
@@ -162,13 +175,18 @@ class ScoringPool:
 
     def _work(self, job: int, items: list[tuple]) -> None:
         fn = items[0][1]
-        if _is_batch(fn):
-            values = _call_batch(fn, [item[2] for item in items], [item[3] for item in items])
-        else:
-            try:
+        try:
+            if _is_batch(fn):
+                values = _call_batch(fn, [item[2] for item in items], [item[3] for item in items])
+            elif runs_in_process(fn):
+                _, _, response, sample, timeout_s = items[0]
+                values = [verifier_pool().call(
+                    fn, response, sample, timeout_s,
+                    on_start=lambda t: self._events.put(("started", (job, t + timeout_s))))]
+            else:
                 values = [fn(items[0][2], items[0][3])]
-            except BaseException as e:  # noqa: BLE001 - reported as this item's error
-                values = [e]
+        except BaseException as e:  # noqa: BLE001 - reported as the items' error, never a lost job
+            values = [e] * len(items)
         self._events.put(("done", (job, values)))
 
 
@@ -202,7 +220,7 @@ def finalize_flags(raw: list[Any], name: str) -> tuple[list[float], list[bool]]:
         score, err = _to_score(value)
         if err is not None and sum(errored) < _MAX_LOGGED_ERRORS:
             logger.warning("reward %s failed on item %d: %s: %s", name, i,
-                           type(err).__name__, str(err)[:500])
+                           type(err).__name__, _safe_text(err)[:500])
         errored.append(err is not None)
         scores.append(score)
     errors = sum(errored)
@@ -222,8 +240,17 @@ def _to_score(value: Any) -> tuple[float, BaseException | None]:
         return 0.0, value
     try:
         score = float(value)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a returned object's __float__ raises
         return 0.0, e
     if not math.isfinite(score):
         return 0.0, ValueError(f"non-finite score {score}")
     return min(1.0, max(0.0, score)), None
+
+
+def _safe_text(err: BaseException) -> str:
+    """``str(err)``, or a placeholder when the exception's ``__str__`` itself raises: logging one
+    item's failure must not fail the step."""
+    try:
+        return str(err)
+    except Exception:  # noqa: BLE001
+        return "<exception text unavailable>"

@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 
-from megatron_cascade.rewards.registry import register_reward
+from megatron_cascade.rewards.registry import register_reward, run_in_process
 
 _FENCE = re.compile(r"```(?:json)?[^\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -31,6 +31,7 @@ def _validator(schema: dict) -> jsonschema.protocols.Validator:
 
 
 @register_reward("structured_output")
+@run_in_process
 def structured_output_reward(response: str, sample: dict) -> float:
     """1.0 if the response parses as JSON and validates against ``sample["schema"]``."""
     validator = _validator(sample["schema"])
