@@ -98,7 +98,7 @@ def json_format(text: str) -> bool:
     body = body.removesuffix("```").strip()
     try:
         json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # "[[[[...": deeper than Python's recursion limit
         return False
     return True
 

@@ -16,7 +16,9 @@ from megatron_cascade.rewards.registry import register_reward, run_in_process
 _PATTERNS = (
     re.compile(r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}"),
     # Outside \boxed only capitals count: "the answer is a bit unclear" is not "A".
-    re.compile(r"(?i:answer)\s*(?:is|:)?\s*:?\s*\(?\*{0,2}([A-Z])\b\)?"),
+    # Each \s* follows a different token: r"\s*(?:is|:)?\s*:?\s*" split one run of spaces three ways,
+    # cubic in its length ("answer" + 200K spaces never finished).
+    re.compile(r"(?i:answer)\s*(?:(?:is|:)\s*)?(?::\s*)?\(?\*{0,2}([A-Z])\b\)?"),
     re.compile(r"(?:^|\s)\(?([A-Z])[\).]?\s*$"),
 )
 

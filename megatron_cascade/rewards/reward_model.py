@@ -42,7 +42,8 @@ DEFAULT_JUDGE_TEMPLATE = (
     "Prompt:\n{prompt}\n\nReference answer (may be empty):\n{reference}\n\n"
     "Response:\n{response}\n\nReply with your reasoning, then a final line 'Score: N'."
 )
-_SCORE_LINE = re.compile(r"score\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+# Each \s* follows a different token (r"\s*[:=]?\s*\**\s*" split one run of spaces three ways: cubic).
+_SCORE_LINE = re.compile(r"score\s*(?:[:=]\s*)?(?:\*+\s*)?(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
