@@ -25,7 +25,7 @@ import struct
 # Syscall numbers: asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64).
 _NUMBERS: dict[str, dict[str, int]] = {
     "x86_64": {
-        "ptrace": 101, "syslog": 103, "personality": 135, "vhangup": 153, "pivot_root": 155,
+        "ptrace": 101, "syslog": 103, "vhangup": 153, "pivot_root": 155,
         "adjtimex": 159, "chroot": 161, "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166,
         "swapon": 167, "swapoff": 168, "reboot": 169, "sethostname": 170, "setdomainname": 171,
         "iopl": 172, "ioperm": 173, "init_module": 175, "delete_module": 176, "quotactl": 179,
@@ -39,7 +39,7 @@ _NUMBERS: dict[str, dict[str, int]] = {
         "mount_setattr": 442, "clone": 56, "clone3": 435, "prctl": 157,
     },
     "aarch64": {
-        "ptrace": 117, "syslog": 116, "personality": 92, "vhangup": 58, "pivot_root": 41,
+        "ptrace": 117, "syslog": 116, "vhangup": 58, "pivot_root": 41,
         "adjtimex": 171, "chroot": 51, "acct": 89, "settimeofday": 170, "mount": 40, "umount2": 39,
         "swapon": 224, "swapoff": 225, "reboot": 142, "sethostname": 161, "setdomainname": 162,
         "init_module": 105, "delete_module": 106, "quotactl": 60, "lookup_dcookie": 18,

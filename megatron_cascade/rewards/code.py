@@ -45,8 +45,9 @@ def _compiles(source: str) -> bool:
 def _tests_of(sample: dict) -> list[tuple[str, str]]:
     """``sample["tests"]`` as (stdin, expected stdout) pairs; ValueError naming what is wrong."""
     tests = sample.get("tests") if isinstance(sample, dict) else None
-    if not isinstance(tests, list):
-        raise ValueError(f"code reward: the row has no 'tests' list (got {type(tests).__name__})")
+    if not isinstance(tests, list) or not tests:
+        got = "an empty list" if isinstance(tests, list) else type(tests).__name__
+        raise ValueError(f"code reward: the row has no 'tests' list to check against (got {got})")
     pairs = []
     for k, test in enumerate(tests):
         if not isinstance(test, dict) or "input" not in test or "output" not in test:

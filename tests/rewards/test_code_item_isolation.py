@@ -21,9 +21,10 @@ def test_compile_check_recursion_error_hits_only_its_item():
 
 
 def test_row_without_tests_hits_only_its_item():
-    scores, errors = _score([GOOD, GOOD, GOOD], [GOOD_ROW, {"prompt": "no tests here"}, {"tests": "not a list"}])
-    assert scores == [1.0, 0.0, 0.0]
-    assert errors == 2
+    rows = [GOOD_ROW, {"prompt": "no tests here"}, {"tests": "not a list"}, {"tests": []}]
+    scores, errors = _score([GOOD] * 4, rows)
+    assert scores == [1.0, 0.0, 0.0, 0.0]
+    assert errors == 3
 
 
 def test_malformed_test_case_hits_only_its_item():
