@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from megatron_cascade.config import ConfigError, load_config
+from megatron_cascade.config import ConfigError, RunConfig, load_config
 
 
 def _setup_logging() -> None:
@@ -34,15 +34,29 @@ def _setup_logging() -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
+    allowed = [key.strip() for item in args.allow_config_change for key in item.split(",") if key.strip()]
     if args.dry_run:
         from megatron_cascade.cascade.plan import describe_plan
 
         print(describe_plan(cfg))
+        print(_dry_run_resume_check(cfg, allowed))
         return 0
     from megatron_cascade.cascade.runner import run_cascade
 
-    allowed = [key.strip() for item in args.allow_config_change for key in item.split(",") if key.strip()]
     return run_cascade(cfg, only_stage=args.stage, allow_config_change=allowed)
+
+
+def _dry_run_resume_check(cfg: RunConfig, allowed: list[str]) -> str:
+    """What a run would say about resuming in ``cfg.output_dir`` (``ConfigError`` if it would refuse);
+    takes no lock and writes nothing."""
+    from megatron_cascade.cascade.resume_check import check_resume, read_recorded_config
+
+    if read_recorded_config(cfg.output_dir) is None:
+        return f"resume: {cfg.output_dir} holds no run yet (a new run)"
+    changes = check_resume(cfg, allowed)
+    if not changes:
+        return f"resume: {cfg.output_dir}: no change to what its started stages computed"
+    return (f"resume: {cfg.output_dir}: --allow-config-change accepts " + "; ".join(str(c) for c in changes))
 
 
 def _cmd_stages(args: argparse.Namespace) -> int:

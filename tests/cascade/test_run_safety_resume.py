@@ -6,7 +6,8 @@ settings, or evaluation once a stage has been scored) is refused, naming every s
 ``--allow-config-change`` names it; accepted changes are recorded in ``manifest.json``. Adding stages,
 changing stages that have not started and execution settings (checkpoint cadence, parallel layout,
 logging) stay free. Before: a resume with another ``seed`` or ``lr`` trained on silently (exit 0) and
-``config.yaml`` then claimed values the finished steps never used.
+``config.yaml`` then claimed values the finished steps never used. ``run --dry-run`` reports the
+same check without running or writing.
 """
 
 from __future__ import annotations
@@ -151,3 +152,14 @@ def test_allowed_keys_cover_their_subkeys_and_the_stage_relative_name(recorded):
     with pytest.raises(ConfigError, match="model.num_layers"):
         _check(recorded, "model.num_layers=3", "seed=3", allowed=("seed",))
     assert [c.key for c in _check(recorded, "model.num_layers=3", allowed=("model",))] == ["model.num_layers"]
+
+
+def test_a_dry_run_reports_the_resume_check_without_running(recorded, capsys):
+    from megatron_cascade.cli import main
+
+    dry = ["run", recorded, "--dry-run", "cluster.gpus_per_node=1", "stages.sft.steps=5"]
+    assert main(dry) == 2
+    assert "stages.sft.steps: 3 -> 5" in capsys.readouterr().err
+    assert main([*dry, "--allow-config-change", "stages.sft"]) == 0
+    assert "--allow-config-change accepts stages.sft.steps: 3 -> 5" in capsys.readouterr().out
+    assert "config_changes" not in read_manifest(os.path.join(os.path.dirname(recorded), "run"))  # nothing written
