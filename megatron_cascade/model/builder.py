@@ -10,68 +10,14 @@ from megatron_cascade.model.moe_aux_loss import with_global_normalized_routers
 from megatron_cascade.model.parallel import transformer_engine_available
 
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FP8_FORMATS = (None, "e4m3", "hybrid")
-_FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def validate_model_config(model: ModelConfig) -> None:
-    """Raise ``ConfigError`` (naming the key) for a model config that cannot be built."""
-    if model.num_layers < 1 or model.hidden_size < 1 or model.num_attention_heads < 1:
-        raise ConfigError("model.num_layers, model.hidden_size and model.num_attention_heads must be >= 1")
-    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
-        raise ConfigError(
-            f"model.num_attention_heads={model.num_attention_heads} does not divide "
-            f"model.hidden_size={model.hidden_size}; set model.kv_channels (head dim) explicitly"
-        )
-    groups = model.num_query_groups or model.num_attention_heads
-    if model.num_attention_heads % groups:
-        raise ConfigError(
-            f"model.num_query_groups={groups} does not divide model.num_attention_heads={model.num_attention_heads}"
-        )
-    if model.position_embedding_type == "rope" and _head_dim(model) % 2:
-        raise ConfigError(f"RoPE needs an even head dim, got {_head_dim(model)} (model.kv_channels)")
-    _check_choice("model.position_embedding_type", model.position_embedding_type, ("rope", "learned_absolute"))
-    _check_choice("model.normalization", model.normalization, ("RMSNorm", "LayerNorm"))
-    _check_choice("model.activation", model.activation, ("swiglu", "gelu"))
-    _check_choice("model.precision", model.precision, tuple(_PRECISIONS))
-    _check_choice("model.recompute", model.recompute, RECOMPUTE_CHOICES)
-    if model.recompute_num_layers < 1:
-        raise ConfigError(f"model.recompute_num_layers={model.recompute_num_layers} must be >= 1")
-    moe = model.moe
-    if moe.num_experts is not None:
-        if moe.num_experts < 1 or not 1 <= moe.router_topk <= moe.num_experts:
-            raise ConfigError(
-                f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts={moe.num_experts}]"
-            )
-        _check_choice("model.moe.token_dispatcher_type", moe.token_dispatcher_type, ("alltoall", "allgather", "flex"))
-        _validate_router(model)
-    if model.vocab_size < 1 or model.make_vocab_size_divisible_by < 1:
-        raise ConfigError("model.vocab_size and model.make_vocab_size_divisible_by must be >= 1")
-    _validate_fp8(model)
+    """Raise ``ConfigError`` (naming the key) for a model config that cannot be built: the rules the
+    ``model`` section declares next to its fields (``config/model.py``), as the loader checks them."""
+    from megatron_cascade.config.rules import validate_tree
 
-
-def _validate_router(model: ModelConfig) -> None:
-    moe = model.moe
-    _check_choice("model.moe.router_load_balancing_type", moe.router_load_balancing_type,
-                  ("aux_loss", "seq_aux_loss", "none"))
-    _check_choice("model.moe.router_score_function", moe.router_score_function, ("softmax", "sigmoid"))
-    if moe.aux_loss_coeff < 0 or moe.router_bias_update_rate < 0:
-        raise ConfigError("model.moe.aux_loss_coeff and model.moe.router_bias_update_rate must be >= 0")
-    if moe.router_load_balancing_type == "none" and moe.aux_loss_coeff > 0:
-        raise ConfigError(
-            f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} does nothing with model.moe.router_load_balancing_type="
-            "'none': set the type (aux_loss | seq_aux_loss) or the coefficient to 0"
-        )
-    if moe.router_enable_expert_bias and moe.router_score_function != "sigmoid":
-        raise ConfigError("model.moe.router_enable_expert_bias needs model.moe.router_score_function=sigmoid "
-                          "(Megatron-Core's aux-loss-free balancing)")
-    if has_aux_loss(model) and model.recompute == "full":
-        # The recomputed router forward runs in the backward pass, after the training step's
-        # per-sequence aux-loss weights (model/moe_aux_loss.py) are gone.
-        raise ConfigError("model.recompute=full cannot be combined with an MoE load-balancing loss "
-                          "(model.moe.router_load_balancing_type / aux_loss_coeff): use recompute=selective "
-                          "or router_load_balancing_type=none")
+    validate_tree(model, "model.")
 
 
 def has_aux_loss(model: ModelConfig) -> bool:
@@ -108,29 +54,9 @@ def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig) -> Non
         )
 
 
-def _validate_fp8(model: ModelConfig) -> None:
-    fp8 = model.fp8
-    _check_choice("model.fp8.format", fp8.format, _FP8_FORMATS)
-    _check_choice("model.fp8.recipe", fp8.recipe, _FP8_RECIPES)
-    _check_choice("model.fp8.amax_compute_algo", fp8.amax_compute_algo, ("max", "most_recent"))
-    if fp8.amax_history_len < 1:
-        raise ConfigError(f"model.fp8.amax_history_len={fp8.amax_history_len} must be >= 1")
-    if fp8.format is not None and model.precision != "bf16":
-        raise ConfigError("model.fp8.format needs model.precision=bf16 (FP8 GEMMs with bf16 master compute)")
-
-
-def _check_choice(key: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
-
-
 def params_dtype(model: ModelConfig) -> torch.dtype:
     """The parameter dtype of ``model.precision``."""
     return _PRECISIONS[model.precision]
-
-
-def _head_dim(model: ModelConfig) -> int:
-    return model.kv_channels or model.hidden_size // model.num_attention_heads
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig):
