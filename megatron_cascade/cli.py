@@ -39,7 +39,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from megatron_cascade.cascade.plan import describe_plan
 
         print(describe_plan(cfg))
-        print(_dry_run_resume_check(cfg, allowed))
+        resume = _dry_run_resume_check(cfg, allowed)
+        if resume:
+            print(resume)
         return 0
     from megatron_cascade.cascade.runner import run_cascade
 
@@ -47,12 +49,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _dry_run_resume_check(cfg: RunConfig, allowed: list[str]) -> str:
-    """What a run would say about resuming in ``cfg.output_dir`` (``ConfigError`` if it would refuse);
-    takes no lock and writes nothing."""
+    """What a run would say about resuming in ``cfg.output_dir`` ("" for a new run; ``ConfigError`` if it
+    would refuse); takes no lock and writes nothing."""
     from megatron_cascade.cascade.resume_check import check_resume, read_recorded_config
 
     if read_recorded_config(cfg.output_dir) is None:
-        return f"resume: {cfg.output_dir} holds no run yet (a new run)"
+        return ""
     changes = check_resume(cfg, allowed)
     if not changes:
         return f"resume: {cfg.output_dir}: no change to what its started stages computed"
