@@ -1,0 +1,75 @@
+"""Rollout metrics of a step (issue 12's telemetry) from a hand-made round: what each name means.
+
+``reward/mean`` is the reward the advantages see — after the overlong policy zeroed the unfinished
+response — where before it was the verifier's score (2/3 here instead of 1/3); the verifier's is
+``reward/raw_mean``. Failed rewards are left out of the means and counted."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_cascade.algorithms import apply_overlong_policy
+from megatron_cascade.cascade.data import Example
+from megatron_cascade.cascade.groups import GroupRound
+from megatron_cascade.cascade.step_metrics import rollout_metrics
+from megatron_cascade.rollout import RolloutBatch, RolloutSample, SamplingParams
+from megatron_cascade.stages.registry import stage_type
+from megatron_cascade.stages.rollout import RolloutStage
+
+
+def _round() -> GroupRound:
+    # One group of 4 in domain "math": lengths 3, 5, 8, 2; the 8-token one hit max_new_tokens.
+    lengths, reasons = [3, 5, 8, 2], ["stop", "stop", "length", "stop"]
+    samples = [RolloutSample(0, g, [1], response_ids=[7] * n, finish_reason=r)
+               for g, (n, r) in enumerate(zip(lengths, reasons))]
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)  # the verifier's
+    errored = torch.tensor([False, False, False, True])  # the last reward failed (scored 0)
+    finished = torch.tensor([[r == "stop" for r in reasons]])
+    rewards, keep = apply_overlong_policy(scores.view(1, 4), finished, policy="zero")
+    keep = keep & ~errored.view(1, 4)
+    return GroupRound([Example("math", (1,), {}, "t:1")], RolloutBatch(samples, SamplingParams(n=4)), scores,
+                      errored, rewards, keep, torch.tensor([True]))
+
+
+def _stage(type_name: str) -> RolloutStage:
+    stage = RolloutStage.__new__(RolloutStage)
+    stage.runner = SimpleNamespace(stage=SimpleNamespace(domains={"math": 1.0}))
+    stage.entry = stage_type(type_name)
+    return stage
+
+
+def test_reward_mean_is_after_the_overlong_policy_and_raw_mean_before():
+    sums, maxes = _stage("grpo")._rollout_sums([_round()])
+    m = rollout_metrics(sums, maxes, prompts_per_step=1, teachers={})
+    # Scored samples: the first three (rewards after the policy 1, 0, 0; verifier 1, 0, 1).
+    assert m["reward/mean"] == pytest.approx(1 / 3)
+    assert m["reward/raw_mean"] == pytest.approx(2 / 3)
+    assert m["reward/std"] == pytest.approx(math.sqrt(1 / 3 - 1 / 9))
+    assert m["reward/math"] == pytest.approx(1 / 3)
+    assert m["reward/errors"] == 1 and m["reward/error_frac"] == 0.25
+    assert m["response/length_mean"] == 4.5 and m["response/length_max"] == 8
+    assert m["response/length_mean/math"] == 4.5
+    assert m["finish/stop_frac"] == 0.75 and m["finish/stop_frac/math"] == 0.75
+    assert m["finish/length_frac"] == 0.25
+    assert m["groups/informative_frac"] == 1.0 and m["sampling/rounds"] == 1
+
+
+def test_a_stage_without_rewards_logs_no_reward_metric():
+    sums, maxes = _stage("distill")._rollout_sums([_round()])
+    m = rollout_metrics(sums, maxes, prompts_per_step=1, teachers={"math": "sft"})
+    assert not any(k.startswith("reward/") for k in m)
+    assert m["response/length_max"] == 8
+
+
+def test_reverse_kl_per_domain_and_teacher():
+    total = {"groups": 2.0, "groups_informative": 0.0, "samples/a": 2.0, "samples/b": 2.0,
+             "length_sum/a": 4.0, "length_sum/b": 4.0, "stop_sum/a": 2.0, "stop_sum/b": 2.0,
+             "mopd_rkl_sum/a": 3.0, "mopd_tokens/a": 4.0, "mopd_rkl_sum/b": 1.0, "mopd_tokens/b": 4.0}
+    m = rollout_metrics(total, {"response_length_max": 2.0, "sampling_rounds": 1.0}, 2,
+                        {"a": "stage_x", "b": "/ckpts/teacher_y/"})
+    assert m["reverse_kl/domain/a"] == 0.75 and m["reverse_kl/domain/b"] == 0.25
+    assert m["reverse_kl/teacher/stage_x"] == 0.75 and m["reverse_kl/teacher/teacher_y"] == 0.25
