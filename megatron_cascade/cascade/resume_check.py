@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
+from megatron_cascade.stages.registry import stage_type
 from megatron_cascade.training.checkpoint import read_latest
 
 RECORDED_CONFIG = "config.yaml"
@@ -80,6 +81,25 @@ def _diff(recorded: dict, now: dict, prefix: str, relative_to: str = "") -> list
     return changes
 
 
+def _unread_keys(kind: str) -> tuple[str, ...]:
+    """Stage-relative keys a stage of type ``kind`` never reads (from the stage registry): sampling
+    settings of a stage that does not generate, loss settings and G of supervised (NLL) stages."""
+    entry = stage_type(kind)
+    unread = () if entry.generates else ("rollout",)
+    return unread + (("loss", "samples_per_prompt") if entry.loss == "sft" else ())
+
+
+def _stage_changes(recorded: RunConfig, now: RunConfig, stage, now_stage) -> list[ConfigChange]:
+    """A started stage's resolved settings, recorded vs now, left out what its type never reads."""
+    prefix = f"stages.{stage.name}"
+    was, becomes = asdict(resolve_stage(recorded, stage)), asdict(resolve_stage(now, now_stage))
+    if stage.type == now_stage.type:
+        for key in _unread_keys(stage.type):
+            was.pop(key, None)
+            becomes.pop(key, None)
+    return _diff(was, becomes, prefix, relative_to=prefix + ".")
+
+
 def read_recorded_config(output_dir: str) -> Optional[RunConfig]:
     """The config ``output_dir`` records, with defaults for keys added since; None when there is none."""
     path = os.path.join(output_dir, RECORDED_CONFIG)
@@ -119,10 +139,8 @@ def result_changes(recorded: RunConfig, now: RunConfig, started: Sequence[str], 
             continue
         used |= set(stage.domains)
         if stage.name in now_by_name:
-            prefix = f"stages.{stage.name}"
-            was, becomes = resolve_stage(recorded, stage), resolve_stage(now, now_by_name[stage.name])
-            changes += _diff(asdict(was), asdict(becomes), prefix, relative_to=prefix + ".")
-    if evaluated:
+            changes += _stage_changes(recorded, now, stage, now_by_name[stage.name])
+    if evaluated and (old["eval"]["enabled"] or new["eval"]["enabled"]):  # scores in the manifest would mix
         changes += _diff({"eval": old["eval"]}, {"eval": new["eval"]}, "")
         for key in _EVAL_ROLLOUT_KEYS:
             section, name = key.split(".")

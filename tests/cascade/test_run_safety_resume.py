@@ -163,3 +163,18 @@ def test_a_dry_run_reports_the_resume_check_without_running(recorded, capsys):
     assert main([*dry, "--allow-config-change", "stages.sft"]) == 0
     assert "--allow-config-change accepts stages.sft.steps: 3 -> 5" in capsys.readouterr().out
     assert "config_changes" not in read_manifest(os.path.join(os.path.dirname(recorded), "run"))  # nothing written
+
+
+def test_eval_settings_are_free_while_eval_is_off_and_sft_reads_no_sampling_or_loss_settings(tmp_path):
+    out = str(tmp_path / "run")
+    path = tmp_path / "c.yaml"
+    path.write_text(UNIT.format(tiny=TINY, out=out) + "eval: {enabled: false}\n")
+    os.makedirs(out)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write(to_yaml(load_config(str(path))))
+    Manifest(out).record_stage("sft", {"status": "complete", "final_weights": "stages/sft/final"})
+    # Nor does the finished sft stage read sampling or loss settings (only the rl stage, not started, does).
+    assert check_resume(load_config(str(path), ["eval.max_prompts=3", "rollout.max_new_tokens=20",
+                                                "loss.kl_coef=0.1"]), ()) == []
+    with pytest.raises(ConfigError, match="eval.enabled: False -> True"):  # enabling it would mix the table
+        check_resume(load_config(str(path), ["eval.enabled=true"]), ())
