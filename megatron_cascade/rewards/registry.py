@@ -136,9 +136,13 @@ def _config_params(fn: RewardFn) -> tuple[set[str], set[str], bool]:
 def build_reward(spec_name: str, kwargs: Mapping[str, Any] | None = None) -> BoundReward:
     """Build reward ``spec_name`` configured with ``kwargs``.
 
+    A reward function may carry ``validate_kwargs(kwargs)`` that raises TypeError/ValueError for
+    bad values (``reward_model`` does); it runs here.
+
     Raises:
         TypeError: a kwarg is not a parameter of the reward, or a required one is missing
             (the message names it and lists the valid ones).
+        ValueError: ``validate_kwargs`` refused a value (the message names the kwarg).
         KeyError: the name is neither registered nor importable as a dotted path.
     """
     fn = _lookup(spec_name)
@@ -151,4 +155,10 @@ def build_reward(spec_name: str, kwargs: Mapping[str, Any] | None = None) -> Bou
     missing = sorted(required - set(kwargs))
     if missing:
         raise TypeError(f"reward {spec_name!r}: missing required kwarg(s) {missing}")
+    validate = getattr(fn, "validate_kwargs", None)
+    if validate is not None:  # values checked now, not at the first step's scoring
+        try:
+            validate(kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"reward {spec_name!r}: bad kwargs: {e}") from e
     return BoundReward(spec_name, fn, kwargs)

@@ -12,27 +12,32 @@ Two server protocols (``mode``):
     user message; the last "score: N" (else the last number) of the reply, divided by
     ``max_score``, is the reward. Requests of a batch run on ``batch_size`` threads.
 
-Transport: stdlib ``urllib`` (no extra dependency). ``timeout_s`` is the socket timeout
-per attempt (connect / each read, seconds). Connection errors, timeouts, HTTP 429 and 5xx
-are retried ``max_retries`` times with exponential backoff (``backoff_s * 2**attempt``);
-other HTTP errors and malformed replies raise at once. An API key, if needed, is read
-from the environment variable named by ``api_key_env`` (never put keys in YAML).
+Transport (:mod:`megatron_cascade.rewards.http_transport`, stdlib only): ``timeout_s`` is the
+total deadline of one attempt in seconds, from connecting to the reply's last byte (a server
+trickling bytes is cut off at it); a reply larger than ``max_reply_bytes`` is refused without
+being read whole; redirects are never followed, so the API key never goes to another host.
+Connection errors, deadlines, HTTP 429 and 5xx are retried ``max_retries`` times with
+exponential backoff (``backoff_s * 2**attempt``), so one call takes at most about
+``(max_retries + 1) * timeout_s`` plus the backoff; other HTTP errors, redirects, oversized and
+malformed replies raise at once. In score mode a request of several items rejected by the server
+(HTTP 4xx) is retried item by item, so that one bad response fails alone. An API key, if needed,
+is read from the environment variable named by ``api_key_env`` (never put keys in YAML).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import re
-import socket
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from megatron_cascade.rewards.http_transport import RetryableError, post_json
 from megatron_cascade.rewards.registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -45,10 +50,6 @@ DEFAULT_JUDGE_TEMPLATE = (
 # Each \s* follows a different token (r"\s*[:=]?\s*\**\s*" split one run of spaces three ways: cubic).
 _SCORE_LINE = re.compile(r"score\s*(?:[:=]\s*)?(?:\*+\s*)?(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-class RetryableError(RuntimeError):
-    """A transient failure (timeout, connection error, HTTP 429/5xx)."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,27 @@ class RewardModelClient:
     max_score: float = 10.0
     score_range: tuple[float, float] = (0.0, 1.0)
     api_key_env: str | None = None
+    max_reply_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
-        if self.mode not in ("score", "chat"):
-            raise ValueError(f"mode must be 'score' or 'chat', got {self.mode!r}")
-        if self.batch_size < 1 or self.max_retries < 0 or self.timeout_s <= 0:
-            raise ValueError("need batch_size >= 1, max_retries >= 0, timeout_s > 0")
+        """Raises ValueError naming the field (a reward kwarg of the same name) and the value."""
+        checks = [
+            ("url", urllib.parse.urlsplit(str(self.url)).scheme in ("http", "https")
+             and bool(urllib.parse.urlsplit(str(self.url)).netloc), "an http:// or https:// URL"),
+            ("mode", self.mode in ("score", "chat"), "'score' or 'chat'"),
+            ("timeout_s", _finite(self.timeout_s) and self.timeout_s > 0, "> 0 seconds"),
+            ("max_retries", isinstance(self.max_retries, int) and self.max_retries >= 0, "an integer >= 0"),
+            ("backoff_s", _finite(self.backoff_s) and self.backoff_s >= 0, ">= 0 seconds"),
+            ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1"),
+            ("max_score", _finite(self.max_score) and self.max_score > 0, "> 0"),
+            ("score_range", len(self.score_range) == 2 and all(map(_finite, self.score_range))
+             and self.score_range[0] < self.score_range[1], "[low, high] with low < high"),
+            ("max_reply_bytes", isinstance(self.max_reply_bytes, int) and self.max_reply_bytes >= 1,
+             "an integer >= 1 (bytes)"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"reward_model: {name} must be {expected}, got {getattr(self, name)!r}")
 
     # -- public -----------------------------------------------------------------------
     def score(self, prompt: str, response: str, reference: str = "") -> float:
@@ -96,13 +112,24 @@ class RewardModelClient:
         for start in range(0, len(prompts), self.batch_size):
             chunk_p = prompts[start:start + self.batch_size]
             chunk_r = responses[start:start + self.batch_size]
-            try:
-                out.extend(self._post_score_chunk(chunk_p, chunk_r))
-            except Exception as e:  # the whole chunk failed
-                out.extend([e] * len(chunk_p))
+            out.extend(self._score_chunk(chunk_p, chunk_r))
         return out
 
-    def _post_score_chunk(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def _score_chunk(self, prompts: list[str], responses: list[str]) -> list[float | BaseException]:
+        try:
+            return self._post_score_chunk(prompts, responses)
+        except urllib.error.HTTPError as e:
+            if len(prompts) == 1:
+                return [e]
+            # The server refused this request (4xx): most likely one item of it (too long, bad
+            # text). Item by item, so that it fails alone and the others keep their scores.
+            logger.info("reward model %s refused a batch of %d (HTTP %d); scoring its items one by one",
+                        self.url, len(prompts), e.code)
+            return [v for p, r in zip(prompts, responses) for v in self._score_chunk([p], [r])]
+        except Exception as e:  # noqa: BLE001 - server down, deadline, bad reply: the whole chunk failed
+            return [e] * len(prompts)
+
+    def _post_score_chunk(self, prompts: list[str], responses: list[str]) -> list[float | BaseException]:
         if len(prompts) == 1:
             reply = self._post("/score", {"prompt": prompts[0], "response": responses[0]})
             return [self._normalize(_field(reply, "score"))]
@@ -110,11 +137,19 @@ class RewardModelClient:
         scores = _field(reply, "scores")
         if not isinstance(scores, list) or len(scores) != len(prompts):
             raise ValueError(f"expected {len(prompts)} scores, got {scores!r:.200}")
-        return [self._normalize(s) for s in scores]
+        return [self._normalize_or_error(s) for s in scores]
+
+    def _normalize_or_error(self, raw: Any) -> float | BaseException:
+        try:
+            return self._normalize(raw)
+        except (TypeError, ValueError) as e:  # one malformed score fails its item only
+            return e
 
     def _normalize(self, raw: Any) -> float:
         lo, hi = self.score_range
         value = float(raw)
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite score {raw!r} from the reward model")
         return min(1.0, max(0.0, (value - lo) / (hi - lo)))
 
     # -- chat mode --------------------------------------------------------------------
@@ -151,22 +186,8 @@ class RewardModelClient:
                            f"{self.max_retries + 1} attempts: {last}") from last
 
     def _post_once(self, path: str, body: dict) -> Any:
-        request = urllib.request.Request(self.url.rstrip("/") + path,
-                                         data=json.dumps(body).encode(), method="POST",
-                                         headers=self._headers())
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 429 or e.code >= 500:
-                raise RetryableError(f"HTTP {e.code}") from e
-            raise
-        except (urllib.error.URLError, socket.timeout, ConnectionError, TimeoutError) as e:
-            raise RetryableError(str(e)) from e
-        try:
-            return json.loads(payload)
-        except ValueError as e:
-            raise ValueError(f"reply is not JSON: {payload[:200]!r}") from e
+        return post_json(self.url.rstrip("/") + path, body, headers=self._headers(), timeout_s=self.timeout_s,
+                         max_reply_bytes=self.max_reply_bytes)
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -174,6 +195,10 @@ class RewardModelClient:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _field(reply: Any, name: str) -> Any:
@@ -202,7 +227,7 @@ def reward_model_reward(response: str, sample: dict, *, url: str, mode: str = "s
                         batch_size: int = 16, model: str = "judge",
                         judge_template: str | None = None, max_score: float = 10.0,
                         score_range: Sequence[float] = (0.0, 1.0),
-                        api_key_env: str | None = None) -> float:
+                        api_key_env: str | None = None, max_reply_bytes: int = 16 * 2**20) -> float:
     """Score via an external server; kwargs are :class:`RewardModelClient` fields.
 
     Uses ``sample["prompt"]`` and, for the judge template, ``sample.get("answer")``.
@@ -227,3 +252,11 @@ def _local_kwargs(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 
 reward_model_reward.batch_fn = reward_model_batch  # type: ignore[attr-defined]
+
+
+def _validate_kwargs(kwargs: dict[str, Any]) -> None:
+    """Build-time check of the reward's kwargs (:func:`megatron_cascade.rewards.registry.build_reward`)."""
+    _client(dict(kwargs))
+
+
+reward_model_reward.validate_kwargs = _validate_kwargs  # type: ignore[attr-defined]
