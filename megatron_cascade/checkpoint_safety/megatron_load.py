@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch

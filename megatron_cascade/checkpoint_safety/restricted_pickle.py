@@ -1,12 +1,11 @@
 """Unpickling that constructs only allow-listed classes: a hostile pickle is refused, never run.
 
-``weights_only_load`` is ``torch.load(weights_only=True)`` with the refusal turned into the same error.
-
 A pickle can name any importable callable (``os.system``, ``builtins.exec``) and call it while it is
 read. ``restricted_loads`` resolves every global through an allow-list of pure data classes and
 lookup functions, so a pickle naming anything else is refused with ``UnsafeCheckpointError`` before
-anything is called. The whole file is read into memory first: a forged length field inside the pickle
-then asks for at most what the file holds (a file stream would pre-allocate whatever it says).
+anything is called. Every length field inside the pickle is checked against the data before the C
+unpickler (which allocates what a length says before reading) sees it. ``weights_only_load`` is
+``torch.load(weights_only=True)`` with torch's refusal turned into the same error.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -64,10 +64,14 @@ def restricted_loads(data: bytes, allowed: Callable[[str, str], Any], path: str)
     Raises ``UnsafeCheckpointError`` for a refused global and for any malformed pickle.
     """
     try:
+        # The C unpickler allocates a counted bytes/str opcode's length before reading it (a forged 8-byte
+        # length asks for up to 16 EiB); pickletools checks every length against the data first.
+        for _ in pickletools.genops(data):
+            pass
         return _AllowListUnpickler(data, allowed, path).load()
     except UnsafeCheckpointError:
         raise
-    except (Exception, RecursionError) as exc:  # noqa: BLE001 - any failure means a corrupt file
+    except Exception as exc:  # noqa: BLE001 - any failure (RecursionError, MemoryError too) means a corrupt file
         raise UnsafeCheckpointError(f"{path} is not a readable checkpoint pickle "
                                     f"({type(exc).__name__}: {exc}); re-copy the checkpoint") from exc
 

@@ -242,3 +242,16 @@ def test_valid_dcp_metadata_passes(tmp_path):
 
     directory = _forged_metadata(tmp_path)
     check_data_spans(directory, read_dcp_metadata(directory))
+
+
+def test_forged_length_inside_a_pickle_allocates_nothing(tmp_path):
+    """A BINBYTES8 opcode claiming 64 GiB: the C unpickler would allocate it before reading."""
+    import struct
+
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 64 << 30) + b"xx.")
+    with pytest.raises(UnsafeCheckpointError, match="not a readable checkpoint pickle") as err:
+        read_dcp_metadata(str(tmp_path))
+    # Refused by the length check (not a MemoryError, nor "truncated" after a 64 GiB allocation).
+    assert "expected 68719476736 bytes" in str(err.value), str(err.value)
