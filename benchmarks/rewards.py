@@ -41,7 +41,8 @@ def bench_code_verifier(n: int = 200, timeout_s: float = 5.0) -> dict[str, float
         start = time.perf_counter()
         pooled = box.run_many(programs, limits)
         pool_s = time.perf_counter() - start
-        assert all(r.ok for r in sequential + pooled), "benchmark programs must succeed"
+        failed = [r for r in sequential + pooled if not r.ok]
+        assert not failed, f"{len(failed)} benchmark programs failed, e.g. {failed[0]}"
         out.update({f"{mode}_sequential_per_s": n / seq_s, f"{mode}_pooled_per_s": n / pool_s,
                     f"{mode}_speedup": seq_s / pool_s})
         print(f"{mode:>10} {n / seq_s:>14.1f}/s {n / pool_s:>8.1f}/s {seq_s / pool_s:>7.2f}x")
