@@ -43,10 +43,14 @@ def _te_allowed(module: str, name: str) -> Any:
 def check_extra_states(state: dict[str, Any], ckpt_dir: str) -> None:
     """Raise ``UnsafeCheckpointError`` if an ``_extra_state`` value of ``state`` would run code when unpickled.
 
-    ``state``: the flat module state dict loaded from the checkpoint in ``ckpt_dir`` (named in errors).
+    ``state``: the module state dict loaded from the checkpoint in ``ckpt_dir`` (named in errors);
+    nested dicts are walked too.
     """
     for key, value in state.items():
-        if not key.endswith("_extra_state"):
+        if isinstance(value, dict):
+            check_extra_states({f"{key}.{k}": v for k, v in value.items()}, ckpt_dir)
+            continue
+        if not str(key).endswith("_extra_state"):
             continue
         what = f"{ckpt_dir}: {key}"
         if isinstance(value, torch.Tensor) and value.numel() > 0:

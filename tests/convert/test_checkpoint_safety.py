@@ -195,6 +195,8 @@ def test_te_extra_state_is_checked_before_set_extra_state_unpickles_it(tmp_path)
     for hostile in (_te_format({"scale_fwd": _Payload(marker)}), buffer):
         with pytest.raises(UnsafeCheckpointError, match=r"ckpt: layer\.linear\._extra_state .*posix\.system"):
             check_extra_states({"layer.linear._extra_state": hostile}, "ckpt")
+        with pytest.raises(UnsafeCheckpointError, match=r"ckpt: module\.layer\.linear\._extra_state .*posix"):
+            check_extra_states({"module": {"layer.linear._extra_state": hostile}}, "ckpt")
     assert not os.path.exists(marker)
 
 
