@@ -164,5 +164,22 @@ def code_reward_preflight(*, timeout_s: float = 5.0, memory_mb: int = 1024, part
     CodeSandbox(max_workers=max_workers, allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base).resolve_backend()
 
 
+def _validate_kwargs(kwargs: dict) -> None:
+    """Values of the code reward's kwargs, checked when the reward is built (``build_reward``);
+    the message names the kwarg. The sandbox itself is checked by :func:`code_reward_preflight`."""
+    SandboxLimits(timeout_s=kwargs.get("timeout_s", 5.0), memory_mb=kwargs.get("memory_mb", 1024),
+                  max_processes=kwargs.get("max_processes", 4))
+    for name in ("partial", "allow_unsafe_sandbox"):
+        if not isinstance(kwargs.get(name, False), bool):
+            raise ValueError(f"{name} must be true or false, got {kwargs[name]!r}")
+    workers = kwargs.get("max_workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"max_workers must be a positive integer or null, got {workers!r}")
+    uid_base = kwargs.get("uid_base", 61000)
+    if isinstance(uid_base, bool) or not isinstance(uid_base, int) or uid_base < 0:
+        raise ValueError(f"uid_base must be a non-negative integer, got {uid_base!r}")
+
+
 code_reward.batch_fn = code_reward_batch  # type: ignore[attr-defined]
+code_reward.validate_kwargs = _validate_kwargs  # type: ignore[attr-defined]
 code_reward.preflight = code_reward_preflight  # type: ignore[attr-defined]

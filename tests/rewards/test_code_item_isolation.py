@@ -42,3 +42,13 @@ def test_preflight_names_a_bad_kwarg():
         code_reward.preflight(memory_mb=40, max_processes=4)  # 10 MiB a process: Python cannot start
     with pytest.raises(ValueError, match="timeout_s"):
         code_reward.preflight(timeout_s=0)
+
+
+def test_bad_kwargs_are_refused_when_the_reward_is_built():
+    import pytest
+
+    for kwargs, name in (({"memory_mb": 40}, "memory_mb"), ({"timeout_s": -1}, "timeout_s"),
+                         ({"allow_unsafe_sandbox": "yes"}, "allow_unsafe_sandbox"), ({"uid_base": -5}, "uid_base"),
+                         ({"max_workers": 0}, "max_workers")):
+        with pytest.raises(ValueError, match=name):
+            build_reward("code", kwargs)
