@@ -61,6 +61,9 @@ def read_dcp_metadata(ckpt_dir: str, filename: str = METADATA_FILE):
         check_metadata(meta)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{path}: {exc}; re-copy or re-create the checkpoint") from None
+    except (AttributeError, TypeError, ValueError, RecursionError) as exc:  # objects built without their fields
+        raise UnsafeCheckpointError(f"{path}: invalid checkpoint metadata ({type(exc).__name__}: {exc}); "
+                                    "re-copy or re-create the checkpoint") from None
     return meta
 
 

@@ -257,3 +257,15 @@ def test_forged_length_inside_a_pickle_allocates_nothing(tmp_path):
         read_dcp_metadata(str(tmp_path))
     # Refused by the length check (not a MemoryError, nor "truncated" after a 64 GiB allocation).
     assert "expected 68719476736 bytes" in str(err.value), str(err.value)
+
+
+def test_metadata_object_without_its_fields_is_refused(tmp_path):
+    """An allowed class unpickled without its fields (NEWOBJ, no BUILD) is an error naming the file."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
+
+    hollow = TensorStorageMetadata.__new__(TensorStorageMetadata)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({"w": hollow})))
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: invalid checkpoint metadata \(AttributeError"):
+        read_dcp_metadata(str(tmp_path))
