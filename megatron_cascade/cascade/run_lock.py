@@ -144,9 +144,13 @@ def acquire_run_lock(output_dir: str, requeue_wait_s: float = REQUEUE_WAIT_S) ->
     """Take the exclusive lock of ``output_dir`` (created if missing) or raise ``RunLockError``
     naming the holder. A requeued Slurm job waits up to ``requeue_wait_s`` seconds for its own
     previous incarnation to let go; any other holder is refused at once."""
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(os.path.abspath(output_dir), LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise RunLockError(f"cannot create the lock file {path}: {exc.strerror}; output_dir must be a writable "
+                           "folder") from None
     try:
         deadline, warned = time.monotonic() + requeue_wait_s, False
         while not _try_lock(fd, path):

@@ -76,6 +76,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_output_dir_of_a_running_one_is_refused_naming_the_holder(tmp_path):
     config, out = _write_config(tmp_path, steps=3000)  # outlasts the second run; killed after it
     first = subprocess.Popen(cli_command("run", config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -97,6 +98,7 @@ def test_a_second_run_on_the_output_dir_of_a_running_one_is_refused_naming_the_h
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_two_ranks_refused_by_rank_0_both_stop(tmp_path):
     """Rank 0 alone takes the lock; rank 1 must learn the refusal instead of waiting in a collective."""
     from megatron_cascade.cascade.runtime import find_free_port
@@ -169,3 +171,10 @@ def test_a_requeued_slurm_job_waits_for_its_previous_incarnation_another_job_is_
             assert holder.poll() is not None
     finally:
         _kill(holder)
+
+
+def test_an_output_dir_that_cannot_hold_a_lock_file_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RunLockError, match="cannot create the lock file .*output_dir must be a writable folder"):
+        acquire_run_lock(str(blocker / "run"))

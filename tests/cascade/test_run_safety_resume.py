@@ -59,6 +59,7 @@ def partial_run(tmp_path_factory):
     return folder, str(config), out
 
 
+@pytest.mark.slow
 def test_resume_with_another_seed_or_lr_is_refused_naming_the_keys(partial_run):
     _, config, out = partial_run
     refused = run_cli("run", config, "seed=7", "optimizer.lr=0.5", env=_env(), timeout=300)
@@ -71,6 +72,7 @@ def test_resume_with_another_seed_or_lr_is_refused_naming_the_keys(partial_run):
     assert recorded["seed"] == 1234 and recorded["optimizer"]["lr"] == 3e-4
 
 
+@pytest.mark.slow
 def test_an_allowed_change_resumes_and_is_recorded_then_an_appended_stage_runs(partial_run):
     folder, config, out = partial_run
     allowed = run_cli("run", config, "seed=7", "--allow-config-change", "seed", env=_env(), timeout=300)
