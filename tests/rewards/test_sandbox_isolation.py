@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,7 +57,7 @@ def host_dir():
     path = tempfile.mkdtemp(prefix="mc-host-")
     os.chmod(path, 0o777)
     yield path
-    subprocess.run(["rm", "-rf", path], check=False)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_host_test_data_is_invisible(box, host_dir, no_leftovers):
@@ -83,7 +84,9 @@ def _keyring_attack_script(program: str) -> str:
         from megatron_cascade.rewards import build_reward
         libc = ctypes.CDLL(None, use_errno=True)
         libc.syscall.restype = ctypes.c_long
-        assert libc.syscall({nr['keyctl']}, 1, b"mc-trainer-session") > 0  # JOIN_SESSION_KEYRING
+        if libc.syscall({nr['keyctl']}, 1, b"mc-trainer-session") <= 0:  # JOIN_SESSION_KEYRING
+            print("NO-KEYRING", ctypes.get_errno())
+            sys.exit(0)
         key = libc.syscall({nr['add_key']}, b"user", b"mc-secret", b"TOKEN-SECRET-99", 15,
                            ctypes.c_long(-3))
         assert key > 0, ctypes.get_errno()
@@ -108,6 +111,8 @@ def test_trainer_keyring_is_out_of_reach(box, no_leftovers):
     out = subprocess.run([sys.executable, "-c", _keyring_attack_script(program)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.startswith("NO-KEYRING"):
+        pytest.skip(f"no kernel keyring for the trainer here (errno {out.stdout.split()[1]})")
     assert out.stdout.strip().splitlines()[-1] == '{"score": 0.0, "key_readable_after": true}'
 
 
