@@ -269,12 +269,16 @@ def _refusal(problem: str) -> str:
             "reward's `kwargs: {allow_unsafe_sandbox: true}`.")
 
 
-_unsafe_warned = threading.Event()
+_unsafe_lock = threading.Lock()
+_unsafe_warned = False
 
 
 def _warn_unsafe_once(problem: str) -> None:
-    if not _unsafe_warned.is_set():
-        _unsafe_warned.set()
+    global _unsafe_warned
+    with _unsafe_lock:
+        if _unsafe_warned:
+            return
+        _unsafe_warned = True
         logger.warning("code sandbox: UNSAFE mode (allow_unsafe_sandbox) because %s. Model-written programs run "
                        "with rlimits only: they can read the host's files (including reward test data), reach "
                        "the network and IPC, and may outlive the trainer.", problem)
