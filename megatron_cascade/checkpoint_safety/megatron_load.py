@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,7 +33,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from torch.distributed.checkpoint.planner import ReadItem
 
 from megatron_cascade.checkpoint_safety.dcp_metadata import METADATA_FILE, check_data_spans, read_dcp_metadata
-from megatron_cascade.checkpoint_safety.restricted_pickle import UnsafeCheckpointError, weights_only_load
+from megatron_cascade.checkpoint_safety.restricted_pickle import (
+    UnsafeCheckpointError, refusal_reason, weights_only_load,
+)
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -78,8 +81,9 @@ class SafeLoadPlanner(mcore_torch.MCoreLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _unsafe_cause(exc: BaseException) -> Optional[UnsafeCheckpointError]:
-    """The ``UnsafeCheckpointError`` behind ``exc`` (DCP wraps per-rank failures in ``CheckpointException``)."""
+def unsafe_cause(exc: BaseException, ckpt_dir: str) -> Optional[UnsafeCheckpointError]:
+    """The ``UnsafeCheckpointError`` behind ``exc`` (DCP wraps per-rank failures in ``CheckpointException``);
+    a tensor chunk that torch's ``weights_only`` load refused counts too (DCP does not say which file)."""
     stack, seen = [exc], set()
     while stack:
         err = stack.pop()
@@ -88,6 +92,11 @@ def _unsafe_cause(exc: BaseException) -> Optional[UnsafeCheckpointError]:
         seen.add(id(err))
         if isinstance(err, UnsafeCheckpointError):
             return err
+        if isinstance(err, pickle.UnpicklingError):
+            return UnsafeCheckpointError(
+                f"{ckpt_dir}: a tensor chunk in a .distcp data file is not plain data: {refusal_reason(err)}; "
+                "refused (it could run code). Re-create the checkpoint with megatron-cascade or take it from a "
+                "source you trust")
         stack += [err.__cause__, err.__context__]
         if isinstance(err, CheckpointException):
             stack += [pair[0] for pair in err.failures.values()]
@@ -114,7 +123,7 @@ class SafeTorchDistLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         try:
             dcp.load_state_dict(pyt_state_dict, reader, planner=planner)
         except CheckpointException as exc:
-            unsafe = _unsafe_cause(exc)
+            unsafe = unsafe_cause(exc, str(checkpoint_dir))
             if unsafe is not None:
                 raise UnsafeCheckpointError(str(unsafe)) from None
             raise

@@ -96,12 +96,12 @@ def weights_only_load(source: Any, what: str) -> Any:
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"{what} is not plain data (tensors, numbers, strings, containers): {_refusal(exc)}; refusing to "
-            "unpickle it (it could run code). Re-create the checkpoint with megatron-cascade or take it from a "
-            "source you trust") from None
+            f"{what} is not plain data (tensors, numbers, strings, containers): {refusal_reason(exc)}; "
+            "refusing to unpickle it (it could run code). Re-create the checkpoint with megatron-cascade or take "
+            "it from a source you trust") from None
 
 
-def _refusal(exc: pickle.UnpicklingError) -> str:
+def refusal_reason(exc: pickle.UnpicklingError) -> str:
     """The line of torch's weights-only refusal that names the global (its message is mostly boilerplate)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     named = [line for line in lines if "GLOBAL" in line or "WeightsUnpickler" in line]

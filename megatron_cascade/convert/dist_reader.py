@@ -94,7 +94,9 @@ class DistCheckpointReader:
         """{name: whole TP=1 tensor in its stored dtype} for the module names ``names``."""
         import torch.distributed.checkpoint as dcp
 
-        from megatron_cascade.checkpoint_safety.megatron_load import SafeFileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from megatron_cascade.checkpoint_safety.megatron_load import SafeFileSystemReader, unsafe_cause
 
         state = {}
         for name in names:
@@ -107,7 +109,10 @@ class DistCheckpointReader:
             raise ConversionError(str(exc)) from None
         try:
             dcp.load(state, storage_reader=reader, planner=_region_planner(self.placements), no_dist=True)
-        except Exception as exc:  # noqa: BLE001 - re-raised naming the directory
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised naming the directory
+            unsafe = unsafe_cause(exc, self.ckpt_dir)
+            if unsafe is not None:
+                raise ConversionError(str(unsafe)) from None
             raise ConversionError(f"could not read {names[:3]} from {self.ckpt_dir}: {type(exc).__name__}: {exc}; "
                                   "a data file may be missing or truncated") from exc
         return {name: state[name].reshape(self.skeleton.local_shape(name)) for name in names}

@@ -97,17 +97,33 @@ def _poison_extra_state(dist_dir: str, marker: str, te_format: bool = False) -> 
     return hostile
 
 
+def _poison_tensor_chunk(dist_dir: str, marker: str) -> str:
+    """Point the stored chunk of the embedding at a data file holding the payload (DCP reads tensor
+    chunks with ``torch.load(weights_only=True)``: refused there, but as a raw ``CheckpointException``)."""
+    path = os.path.join(dist_dir, ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    hostile = os.path.join(dist_dir, "__hostile.distcp")
+    torch.save(_Payload(marker), hostile)
+    for index in [i for i in meta.storage_data if i.fqn == "embedding.word_embeddings.weight"]:
+        meta.storage_data[index] = type(meta.storage_data[index])("__hostile.distcp", 0, os.path.getsize(hostile))
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    return dist_dir
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """``python -m megatron_cascade.convert ...`` in its own process (conversion sets up Megatron's CPU mode)."""
     return subprocess.run([sys.executable, "-m", "megatron_cascade.convert", *args], capture_output=True, text=True,
                           timeout=300, check=False)
 
 
-@pytest.mark.parametrize("command", ["inspect", "megatron-to-hf"])
-def test_convert_refuses_a_hostile_metadata(tmp_path, legit, command):
+@pytest.mark.parametrize("command,poison", [("inspect", _poison_metadata), ("megatron-to-hf", _poison_metadata),
+                                            ("megatron-to-hf", _poison_tensor_chunk)])
+def test_convert_refuses_a_hostile_file(tmp_path, legit, command, poison):
     weights = os.path.join(_copy(legit, tmp_path), "weights")
     marker = str(tmp_path / "pwned")
-    path = _poison_metadata(weights, marker)
+    path = poison(weights, marker)
     args = [weights] if command == "inspect" else ["--ckpt", weights, "--out", str(tmp_path / "hf")]
     run = _cli(command, *args)
     assert not os.path.exists(marker), "the payload ran"
@@ -164,6 +180,7 @@ def test_init_teacher_and_resume_refuse_hostile_files(tmp_path, legit):
     add("init_metadata", "init", _poison_metadata, "weights")
     add("init_extra_state", "init", _poison_extra_state, "weights")
     add("init_extra_state_te_format", "init", lambda d, m: _poison_extra_state(d, m, te_format=True), "weights")
+    add("init_tensor_chunk", "init", _poison_tensor_chunk, "weights")
     add("teacher_metadata", "teacher", _poison_metadata, "weights")
     add("teacher_extra_state", "teacher", _poison_extra_state, "weights")
     add("resume_optim_metadata", "resume", _poison_metadata, "optim")
