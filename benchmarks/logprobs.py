@@ -1,4 +1,6 @@
-"""Peak memory and time: vocab_parallel_logprobs vs naive log_softmax + gather (fp32, one process).
+"""Peak memory and time: vocab_parallel_logprobs vs naive log_softmax + gather (fp32, one process),
+and what the sampler's top-k / top-p truncation costs the trainer (vocab_parallel_truncated_logprobs,
+top_k=50, top_p=0.9, against the untruncated op).
 
 Each variant runs in a fresh child process (so its RSS high-water mark is its own): the child builds
 the logits, notes its RSS, runs the op ``--repeats`` times and reports the extra peak RSS over that
@@ -27,9 +29,15 @@ def _ours(logits, targets):
     return vocab_parallel_logprobs(logits, targets)
 
 
+def _truncated(logits, targets):
+    from megatron_cascade.ops import vocab_parallel_truncated_logprobs
+
+    return vocab_parallel_truncated_logprobs(logits, targets, top_k=50, top_p=0.9)[0]
+
+
 def _child(name: str, backward: bool, tokens: int, vocab: int, repeats: int, out) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    fn = {"naive": _naive, "ours": _ours}[name]
+    fn = {"naive": _naive, "ours": _ours, "truncated": _truncated}[name]
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, vocab, generator=gen).requires_grad_(backward)
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
@@ -77,6 +85,16 @@ def main() -> None:
               f"{naive_t:>10.3f}{ours_t:>10.3f}{ours_t / naive_t:>12.2f}")
     print("MiB = peak RSS above the process's RSS with the logits allocated (fwd+bwd includes the "
           "logits gradient, which both must produce).")
+    print(f"\n{'top-k/top-p':<14}{'plain MiB':>12}{'trunc MiB':>12}{'mem ratio':>11}{'plain s':>10}{'trunc s':>10}"
+          f"{'time ratio':>12}")
+    for backward in (False, True):
+        plain_mem, plain_t = measure("ours", backward, args.tokens, args.vocab, args.repeats)
+        trunc_mem, trunc_t = measure("truncated", backward, args.tokens, args.vocab, args.repeats)
+        label = "fwd+bwd" if backward else "fwd"
+        print(f"{label:<14}{plain_mem / 2**20:>12.0f}{trunc_mem / 2**20:>12.0f}{trunc_mem / max(plain_mem, 1):>11.2f}"
+              f"{plain_t:>10.3f}{trunc_t:>10.3f}{trunc_t / plain_t:>12.2f}")
+    print("truncation sorts each token's distribution over the whole vocabulary (top-p needs it): the "
+          "price of training on the distribution actually sampled from.")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Top-p needs each token's whole distribution sorted, which a vocabulary shard doe
 vocab-sharded logits ``[N, V/TP]`` are exchanged (all-to-all) into token shards ``[N/TP, V]``, each rank
 filters and normalises its tokens over the full vocabulary, and the per-token results are gathered
 back. The exchange is its own inverse in backward, so the op is differentiable in the logits.
-Memory: one [N/TP, V] float32 copy plus its softmax, the size of the local logits.
+Chunked over tokens (forward and backward); memory: at TP > 1 the token-sharded copy ([N/TP, V], the
+size of the local logits), a bool per logit (the kept set, for the backward) and one chunk's temporaries.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded
 
 
 LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32
+# Elements of one chunk's float32 temporaries (16 MiB): the sort behind top-p makes several.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def _tp_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -77,15 +80,57 @@ class _GatherTokens(torch.autograd.Function):
         return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
 
 
-def truncated_log_softmax(logits: torch.Tensor, *, top_k: int, top_p: float, vocab_size: Optional[int]) -> torch.Tensor:
-    """``log_softmax`` over the real vocabulary truncated to the top-k, then top-p, tokens (-inf
-    elsewhere), as the sampler filters: logits [rows, V] (already divided by the temperature)."""
-    logits = logits.float() if logits.dtype != torch.float64 else logits
+def _keep_mask(x: torch.Tensor, top_k: int, top_p: float, vocab_size: Optional[int]) -> torch.Tensor:
+    """[rows, V] bool: the ids the sampler may draw (real vocabulary, then top-k, then top-p)."""
     if vocab_size is not None:
-        logits = mask_padded_vocab(logits, vocab_size)
-    with torch.no_grad():  # which tokens survive: a selection, not a function to differentiate
-        keep = torch.isfinite(filter_top_p(filter_top_k(logits.detach(), top_k), top_p))
-    return torch.log_softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        x = mask_padded_vocab(x, vocab_size)
+    return torch.isfinite(filter_top_p(filter_top_k(x, top_k), top_p))
+
+
+class _TruncatedLogprobs(torch.autograd.Function):
+    """Chunked over tokens: each chunk's kept set (a sort per token for top-p) and log-sum-exp over
+    it; the backward recomputes each chunk's probabilities from the saved log-sum-exp and kept set
+    (a bool per logit) instead of keeping a float copy of the logits' size."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, top_k, top_p, vocab_size, chunk):
+        n = logits.shape[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        picked = torch.empty(n, dtype=acc, device=logits.device)
+        entropy = torch.empty(n, dtype=acc, device=logits.device)
+        lse = torch.empty(n, dtype=acc, device=logits.device)
+        keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+        for lo in range(0, n, chunk):
+            x = logits[lo:lo + chunk].to(acc)
+            k = keep[lo:lo + chunk]
+            k.copy_(_keep_mask(x, top_k, top_p, vocab_size))
+            masked = x.masked_fill(~k, float("-inf"))
+            lse[lo:lo + chunk] = torch.logsumexp(masked, dim=-1)
+            t = targets[lo:lo + chunk].unsqueeze(-1)
+            picked[lo:lo + chunk] = (masked.gather(-1, t).squeeze(-1) - lse[lo:lo + chunk]).clamp(min=LOGPROB_FLOOR)
+            probs = (masked - lse[lo:lo + chunk, None]).exp()
+            entropy[lo:lo + chunk] = lse[lo:lo + chunk] - torch.where(k, probs * x, torch.zeros_like(x)).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, keep)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, _grad_entropy):
+        logits, targets, lse, keep = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        chunk = ctx.chunk
+        for lo in range(0, logits.shape[0], chunk):
+            x = logits[lo:lo + chunk].to(lse.dtype)
+            k = keep[lo:lo + chunk]
+            t = targets[lo:lo + chunk].unsqueeze(-1)
+            # A target outside the kept set got the floor: no gradient reaches its row.
+            g = grad_picked[lo:lo + chunk].to(lse.dtype) * k.gather(-1, t).squeeze(-1)
+            probs = torch.where(k, (x - lse[lo:lo + chunk, None]).exp(), torch.zeros_like(x))
+            part = -g[:, None] * probs
+            part.scatter_add_(-1, t, g[:, None])
+            grad[lo:lo + chunk] = part.to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_truncated_logprobs(
@@ -97,6 +142,7 @@ def vocab_parallel_truncated_logprobs(
     group: Optional[dist.ProcessGroup] = None,
     vocab_size: Optional[int] = None,
     with_entropy: bool = False,
+    chunk_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of each target (and optionally the entropy) under softmax(logits) truncated to the
     top-k, then top-p, tokens and renormalised — the distribution the sampler draws from.
@@ -109,6 +155,7 @@ def vocab_parallel_truncated_logprobs(
         group: tensor-parallel group the vocabulary is sharded over (None: not sharded).
         vocab_size: real tokens (padding columns never sampled); None = all columns are real.
         with_entropy: also return the entropy (nats) of the truncated distribution (no gradient).
+        chunk_size: tokens per chunk (default: about 16 MiB of float32 temporaries per chunk).
 
     Returns:
         ([...] float32 log-probs (float64 for float64 logits), differentiable in ``logits``;
@@ -129,15 +176,9 @@ def vocab_parallel_truncated_logprobs(
     rank = 0 if tp == 1 else dist.get_rank(group)
     mine = flat_targets[rank * rows:(rank + 1) * rows]
     full = flat if tp == 1 else _ToTokenShards.apply(flat, group)
-    logp = truncated_log_softmax(full, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
-    # A target the trainer's filter drops (the sampler's logits differed in the last bits) has
-    # probability 0 here: a finite floor keeps masked sums free of -inf * 0 (no gradient flows to it).
-    picked = logp.gather(-1, mine.unsqueeze(-1)).squeeze(-1).clamp(min=LOGPROB_FLOOR)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            p = logp.exp()
-            entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    chunk = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, full.shape[-1]))
+    picked, entropy = _TruncatedLogprobs.apply(full, mine, top_k, top_p, vocab_size, chunk)
+    entropy = entropy if with_entropy else None
     if tp > 1:
         picked = _GatherTokens.apply(picked, group)
         entropy = None if entropy is None else _GatherTokens.apply(entropy, group)

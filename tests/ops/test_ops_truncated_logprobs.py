@@ -54,18 +54,32 @@ def _reference(logits, targets, grad_out, top_k, top_p):
 CASES = [(0, 0.9), (5, 1.0), (7, 0.6), (1, 1.0)]
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])
 @pytest.mark.parametrize("top_k,top_p", CASES)
-def test_single_process_matches_float64_reference(top_k, top_p):
+def test_single_process_matches_float64_reference(top_k, top_p, chunk_size):
     logits, targets, grad_out = _data()
     ref_lp, ref_grad, ref_entropy = _reference(logits, targets, grad_out, top_k, top_p)
     x = logits.clone().requires_grad_(True)
+    before = x.detach().clone()
     lp, entropy = vocab_parallel_truncated_logprobs(x, targets, top_k=top_k, top_p=top_p, vocab_size=REAL,
-                                                    with_entropy=True)
+                                                    with_entropy=True, chunk_size=chunk_size)
     (lp * grad_out).sum().backward()
     torch.testing.assert_close(lp, ref_lp, atol=1e-10, rtol=0)
     torch.testing.assert_close(x.grad, ref_grad, atol=1e-10, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-10, rtol=0)
     assert (lp > -1e4).any() and (lp == -1e4).any() == bool((ref_lp == -1e4).any())
+    assert torch.equal(x.detach(), before), "input logits were modified"
+
+
+def test_bfloat16_logits_accumulate_in_float32():
+    logits, targets, grad_out = _data(seed=4)
+    ref_lp, ref_grad, _ = _reference(logits.bfloat16().double(), targets, grad_out, 5, 0.9)
+    x = logits.bfloat16().requires_grad_(True)
+    lp, _ = vocab_parallel_truncated_logprobs(x, targets, top_k=5, top_p=0.9, vocab_size=REAL)
+    (lp.double() * grad_out).sum().backward()
+    assert lp.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad.double(), ref_grad, atol=1e-2, rtol=0)
 
 
 def _tp2_worker(logits, targets, grad_out, cases):
@@ -76,7 +90,7 @@ def _tp2_worker(logits, targets, grad_out, cases):
     for top_k, top_p in cases:
         x = logits[..., rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
         lp, entropy = vocab_parallel_truncated_logprobs(x, targets, top_k=top_k, top_p=top_p, group=dist.group.WORLD,
-                                                        vocab_size=REAL, with_entropy=True)
+                                                        vocab_size=REAL, with_entropy=True, chunk_size=3)
         (lp * grad_out).sum().backward()
         out.append((lp.detach(), x.grad, entropy))
     return out
