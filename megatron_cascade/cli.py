@@ -140,13 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_cascade.cascade.data import DataError
     from megatron_cascade.cascade.run_lock import RunLockError
     from megatron_cascade.model import CheckpointError
+    from megatron_cascade.rewards.sandbox import SandboxUnavailableError
 
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"megatron-cascade: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (DataError, CheckpointError) as exc:
+    except (DataError, CheckpointError, SandboxUnavailableError) as exc:
         print(f"megatron-cascade: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except RunLockError as exc:

@@ -26,8 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def build_domain_rewards(domains: dict[str, DomainConfig], names) -> dict:
-    """The configured reward of each named domain (unknown reward or kwarg: a clear error now)."""
-    return {name: build_reward(domains[name].reward.name, dict(domains[name].reward.kwargs)) for name in names}
+    """The configured reward of each named domain (unknown reward or kwarg: a clear error now). A
+    reward with a ``preflight`` hook checks what it needs now, before the first step: the code
+    reward's sandbox refuses here, naming what is missing, rather than as errors in every step."""
+    rewards = {name: build_reward(domains[name].reward.name, dict(domains[name].reward.kwargs)) for name in names}
+    for reward in rewards.values():
+        preflight = getattr(reward.fn, "preflight", None)
+        if preflight is not None:
+            preflight(**reward.kwargs)
+    return rewards
 
 
 def _model_parallel_source() -> tuple[bool, object, int]:
