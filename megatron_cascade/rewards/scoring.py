@@ -82,14 +82,15 @@ class ScoringPool:
 
     Per item the rules of :func:`score_batch`: a reward marked
     :func:`~megatron_cascade.rewards.registry.run_in_process` (the built-in verifiers) runs in a
-    worker process of :func:`~megatron_cascade.rewards.isolation.verifier_pool`, killed when the call
-    is still running ``timeout_s`` after the worker started it; another plain reward runs in its own
-    thread and a call still running ``timeout_s`` after it started scores ``TimeoutError`` (its
-    thread is abandoned, daemon, and its slot reused: C code holding the GIL cannot be stopped); a :class:`BoundReward` with a native batch
-    implementation gets every item of it waiting for a worker in one ``batch`` call (items queue
-    up while the workers are busy) and enforces its own timeouts. At most ``max_workers`` calls
-    (default ``os.cpu_count()``) are live at once. Threads suit rewards that wait on sandboxed
-    subprocesses or HTTP; pure-Python verifiers share the GIL with the caller.
+    worker process of :func:`~megatron_cascade.rewards.isolation.verifier_pool`, killed when the
+    call is still running ``timeout_s`` after the worker started it; another plain reward runs in
+    its own thread and a call still running ``timeout_s`` after it started scores ``TimeoutError``
+    (its thread is abandoned, daemon, and its slot reused: C code holding the GIL cannot be
+    stopped); a :class:`BoundReward` with a native batch implementation gets every item of it
+    waiting for a worker in one ``batch`` call (items queue up while the workers are busy) and
+    enforces its own timeouts. At most ``max_workers`` calls (default ``os.cpu_count()``) are live
+    at once. Threads suit rewards that wait on sandboxed subprocesses or HTTP; an unmarked
+    pure-Python reward shares the GIL with the caller.
 
     One dispatcher thread owns the queue and the deadlines; ``submit`` only posts to it. Not
     reusable after ``results()``.
