@@ -89,6 +89,11 @@ class _Worker:
         return "still running" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux: the CPUs this rank may run on
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def _start_worker() -> _Worker:
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
@@ -138,7 +143,7 @@ class VerifierProcessPool:
     def __init__(self, max_processes: Optional[int] = None) -> None:
         if max_processes is not None and max_processes < 1:
             raise ValueError(f"max_processes must be >= 1, got {max_processes}")
-        self.max_processes = max_processes or min(_DEFAULT_MAX_PROCESSES, len(os.sched_getaffinity(0)))
+        self.max_processes = max_processes or min(_DEFAULT_MAX_PROCESSES, _usable_cpus())
         self._idle: list[_Worker] = []
         self._live = 0
         self._closed = False

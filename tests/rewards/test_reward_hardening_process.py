@@ -122,6 +122,13 @@ def test_a_dying_worker_costs_only_its_item():
     assert scores == [0.2, 0.0, 0.0, 0.3] and errors == 2
 
 
+def test_a_bad_row_costs_only_its_item():
+    responses = ["\\boxed{2}", "\\boxed{2}", "\\boxed{3}", "Answer: B"]
+    rows = [{"answer": "2"}, {"question": "no answer key"}, {"answer": "3"}, {"answer": "2"}]
+    scores, errors = score_batch(get_reward("math"), responses, rows, timeout_s=5.0)
+    assert scores == [1.0, 0.0, 1.0, 0.0] and errors == 1
+
+
 def test_library_exceptions_that_do_not_pickle_are_still_one_items_error():
     """jsonschema's SchemaError needs constructor arguments pickle does not record."""
     broken = {"type": 5}
