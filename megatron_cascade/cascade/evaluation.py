@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -9,6 +11,8 @@ from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.scoring import RolloutScorer
 from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
 from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+
+log = logging.getLogger(__name__)
 
 
 def data_parallel() -> tuple:
@@ -21,7 +25,8 @@ def data_parallel() -> tuple:
 def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
              domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, rollout_cfg: RolloutConfig,
              seed: int) -> dict[str, float]:
-    """Mean score per domain in [0, 1]; prompts are split over data-parallel ranks; collective.
+    """Mean score per domain in [0, 1] over the samples whose reward did not fail (0 if none was
+    scored; failures are logged); prompts are split over data-parallel ranks; collective.
 
     Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``), stop
     at the run's ``rollout.stop_strings`` and use a KV cache of the run's ``rollout.kv_cache_*``;
@@ -42,8 +47,14 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
         with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine)) as scorer:
             rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer,
                                 kv_cache=KVCacheConfig.from_rollout(rollout_cfg), on_finished=scorer.on_finished)
-            values, _, _ = scorer.collect(rollouts.samples)
-        total = torch.tensor([float(values.sum()), float(len(values))], dtype=torch.float64)
+            values, errored, _ = scorer.collect_flags(rollouts.samples)
+        scored = ~errored
+        total = torch.tensor([float(values[scored].sum()), float(scored.sum()), float(len(values))],
+                             dtype=torch.float64)
         dist.all_reduce(total, group=dp_group)
+        # A failed reward is no verdict on the response: the score is over the scored samples.
+        if total[1] < total[2]:
+            log.warning("eval %s: %d of %d rewards errored or timed out; the score is over the %d scored",
+                        domain, int(total[2] - total[1]), int(total[2]), int(total[1]))
         scores[domain] = float(total[0] / max(total[1], 1.0))
     return scores
