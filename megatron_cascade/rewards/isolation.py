@@ -189,6 +189,9 @@ class VerifierProcessPool:
     # -- internals ----------------------------------------------------------------------------------
     def _acquire(self) -> _Worker:
         with self._cond:
+            dead = [w for w in self._idle if w.proc.poll() is not None]  # e.g. the OOM killer's: not an item's fault
+            self._idle = [w for w in self._idle if w not in dead]
+            self._live -= len(dead)
             while not self._idle and self._live >= self.max_processes and not self._closed:
                 self._cond.wait()
             if self._closed:

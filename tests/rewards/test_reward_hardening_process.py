@@ -154,6 +154,18 @@ def test_pool_runs_lambdas_of_bound_rewards_by_name_and_reports_what_cannot_run(
     assert pool.live == 0
 
 
+def test_an_idle_worker_killed_from_outside_is_replaced_unnoticed():
+    pool = VerifierProcessPool(max_processes=1)
+    try:
+        assert pool.call(_not_marked, "x", {}, 5.0) == 1.0
+        (worker,) = pool._idle
+        worker.proc.kill()  # the OOM killer, an operator
+        worker.proc.wait(timeout=10)
+        assert pool.call(_not_marked, "x", {}, 5.0) == 1.0
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("max_processes", [0, -1])
 def test_pool_size_is_validated(max_processes):
     with pytest.raises(ValueError, match="max_processes"):
