@@ -4,7 +4,9 @@
 * ``dcp_metadata``: ``read_dcp_metadata`` (a DCP / Megatron ``.metadata``, unpickled with the classes
   such a file holds, then structurally checked) and ``check_data_spans``;
 * ``megatron_load``: ``safe_load_strategies()`` for ``dist_checkpointing.load``, and the safe DCP
-  reader the converter uses (imported on demand: it imports Megatron-Core).
+  reader the converter uses (imported on demand: it imports Megatron-Core);
+* ``extra_state``: ``check_extra_states``, run on loaded ``_extra_state`` values before a module's
+  ``set_extra_state`` (Transformer Engine's ``pickle.loads``) sees them.
 Safetensors headers are checked by ``megatron_cascade.convert.safetensors_io``.
 """
 
