@@ -39,7 +39,8 @@ def score_batch(reward_fn: Callable[[str, dict], float], responses: Sequence[str
     Args:
         reward_fn: ``(response, sample) -> float``; a :class:`BoundReward` with a native
             batch implementation (``code``, ``reward_model``) is called once for the whole
-            batch and enforces its own timeouts (sandbox wall clock, HTTP timeouts).
+            batch and enforces its own timeouts (sandbox wall clock, HTTP deadlines); a call still
+            running after ``timeout_s`` per item (summed) is abandoned and every item times out.
         timeout_s: per-response limit in seconds. A reward marked ``run_in_process`` (the
             built-in verifiers) is killed with its worker process at the limit; another timed-out
             call cannot be interrupted: its thread is abandoned (daemon) and replaced.
@@ -50,7 +51,7 @@ def score_batch(reward_fn: Callable[[str, dict], float], responses: Sequence[str
     if len(responses) != len(samples):
         raise ValueError(f"{len(responses)} responses but {len(samples)} samples")
     if isinstance(reward_fn, BoundReward) and reward_fn.has_batch:
-        raw = _call_batch(reward_fn, responses, samples)
+        raw = _call_batch_with_backstop(reward_fn, responses, samples, timeout_s * len(responses))
     else:
         raw = _run_threads(reward_fn, responses, samples, timeout_s,
                            max_workers or os.cpu_count() or 1)
@@ -59,13 +60,26 @@ def score_batch(reward_fn: Callable[[str, dict], float], responses: Sequence[str
 
 def _call_batch(reward_fn: BoundReward, responses: Sequence[str],
                 samples: Sequence[dict]) -> list[Any]:
+    """Per item a raw value; never raises (what the batch call raised or returned wrongly is
+    every item's error)."""
     try:
-        out = reward_fn.batch(responses, samples)
-    except Exception as e:  # the whole batch failed: every item is an error
+        out = list(reward_fn.batch(responses, samples))
+    except BaseException as e:  # noqa: BLE001 - the whole batch failed (SystemExit too): every item is an error
         return [e] * len(responses)
     if len(out) != len(responses):
         return [ValueError(f"batch returned {len(out)} scores for {len(responses)}")] * len(responses)
-    return list(out)
+    return out
+
+
+def _call_batch_with_backstop(reward_fn: BoundReward, responses: Sequence[str], samples: Sequence[dict],
+                              limit_s: float) -> list[Any]:
+    """:func:`_call_batch` in a daemon thread, abandoned (every item ``TimeoutError``) after ``limit_s``."""
+    out: list[list[Any]] = []
+    thread = threading.Thread(target=lambda: out.append(_call_batch(reward_fn, responses, samples)), daemon=True,
+                              name="reward-batch")
+    thread.start()
+    thread.join(limit_s)
+    return out[0] if out else [_TIMED_OUT] * len(responses)
 
 
 def _run_threads(fn: Callable[[str, dict], float], responses: Sequence[str],
@@ -88,7 +102,8 @@ class ScoringPool:
     (its thread is abandoned, daemon, and its slot reused: C code holding the GIL cannot be
     stopped); a :class:`BoundReward` with a native batch implementation gets every item of it
     waiting for a worker in one ``batch`` call (items queue up while the workers are busy) and
-    enforces its own timeouts. At most ``max_workers`` calls (default ``os.cpu_count()``) are live
+    enforces its own timeouts, with the sum of the items' ``timeout_s`` as a backstop (a call
+    still running then is abandoned, its items time out). At most ``max_workers`` calls (default ``os.cpu_count()``) are live
     at once. Threads suit rewards that wait on sandboxed subprocesses or HTTP; an unmarked
     pure-Python reward shares the GIL with the caller.
 
@@ -141,10 +156,16 @@ class ScoringPool:
             while True:
                 while len(active) < self.max_workers and pending:
                     items = _next_job(pending)
-                    # Batch rewards enforce their own limits; a process-run reward's deadline starts
-                    # when its worker has it loaded (the "started" event), as the worker's own kill.
-                    untimed = len(items) > 1 or _is_batch(items[0][1]) or runs_in_process(items[0][1])
-                    deadline = None if untimed else time.monotonic() + items[0][4]
+                    # A batch reward enforces its own limits; the sum of its items' limits (never tighter
+                    # than scoring them one after another) is only a backstop against one that hangs.
+                    # A process-run reward's deadline starts when its worker has it loaded (the "started"
+                    # event), as the worker's own kill.
+                    if len(items) > 1 or _is_batch(items[0][1]):
+                        deadline = time.monotonic() + sum(item[4] for item in items)
+                    elif runs_in_process(items[0][1]):
+                        deadline = None
+                    else:
+                        deadline = time.monotonic() + items[0][4]
                     active[jobs] = ([item[0] for item in items], deadline)
                     threading.Thread(target=self._work, args=(jobs, items), daemon=True,
                                      name=f"reward-{items[0][0]}").start()
@@ -169,7 +190,7 @@ class ScoringPool:
                     results.update(zip(indices, payload[1]))
                 now = time.monotonic()
                 for job in [j for j, (_, d) in active.items() if d is not None and d <= now]:
-                    results[active.pop(job)[0][0]] = _TIMED_OUT
+                    results.update((index, _TIMED_OUT) for index in active.pop(job)[0])
         except BaseException as e:  # noqa: BLE001 - surfaced by results()
             self._failure = e
         self._raw = [results.get(i, _TIMED_OUT) for i in range(self._submitted)]

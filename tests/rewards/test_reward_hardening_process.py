@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -22,6 +23,7 @@ import pytest
 from megatron_cascade.rewards import BoundReward, get_reward, score_batch
 from megatron_cascade.rewards.isolation import VerifierProcessPool
 from megatron_cascade.rewards.registry import run_in_process
+from megatron_cascade.rewards.scoring import ScoringPool
 
 TOWER = "so the answer is \\boxed{9^{9^{9^{9}}}}"
 
@@ -170,3 +172,42 @@ def test_an_idle_worker_killed_from_outside_is_replaced_unnoticed():
 def test_pool_size_is_validated(max_processes):
     with pytest.raises(ValueError, match="max_processes"):
         VerifierProcessPool(max_processes)
+
+
+HANG = threading.Event()
+
+
+def _hanging_batch(responses, samples):
+    if "hang" in responses:
+        HANG.wait(30)
+    if "none" in responses:
+        return None
+    return [1.0] * len(responses)
+
+
+def _batched(response: str, sample: dict) -> float:
+    return 1.0
+
+
+_batched.batch_fn = _hanging_batch
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_batch_reward_is_abandoned_at_the_summed_deadline():
+    """Before: score_batch and ScoringPool.results() waited for the batch call forever (here: the
+    30 s the test's reward hangs)."""
+    reward = BoundReward("batched", _batched)
+    try:
+        start = time.monotonic()
+        assert score_batch(reward, ["a", "hang"], [{}] * 2, timeout_s=0.5) == ([0.0, 0.0], 2)
+        assert time.monotonic() - start < 5
+        pool = ScoringPool(max_workers=1)
+        for response in ("a", "hang", "b"):
+            pool.submit(reward, response, {}, timeout_s=0.5)
+        raw = pool.results()  # "a" (and "b") may be grouped with "hang" or not, depending on timing
+        assert isinstance(raw[1], TimeoutError) and all(v == 1.0 or isinstance(v, TimeoutError) for v in raw)
+        assert time.monotonic() - start < 10
+        assert score_batch(reward, ["a", "none"], [{}] * 2, timeout_s=30) == ([0.0, 0.0], 2)  # at once
+        assert time.monotonic() - start < 15
+    finally:
+        HANG.set()
