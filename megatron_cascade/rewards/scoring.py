@@ -103,9 +103,9 @@ class ScoringPool:
     stopped); a :class:`BoundReward` with a native batch implementation gets every item of it
     waiting for a worker in one ``batch`` call (items queue up while the workers are busy) and
     enforces its own timeouts, with the sum of the items' ``timeout_s`` as a backstop (a call
-    still running then is abandoned, its items time out). At most ``max_workers`` calls (default ``os.cpu_count()``) are live
-    at once. Threads suit rewards that wait on sandboxed subprocesses or HTTP; an unmarked
-    pure-Python reward shares the GIL with the caller.
+    still running then is abandoned, its items time out). At most ``max_workers`` calls (default
+    ``os.cpu_count()``) are live at once. Threads suit rewards that wait on sandboxed subprocesses
+    or HTTP; an unmarked pure-Python reward shares the GIL with the caller.
 
     One dispatcher thread owns the queue and the deadlines; ``submit`` only posts to it. Not
     reusable after ``results()``.

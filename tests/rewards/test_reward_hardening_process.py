@@ -94,7 +94,8 @@ def test_workers_die_with_a_killed_trainer():
         time.sleep(600)
     """
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, cwd=root)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=root)
     try:
         workers = [int(pid) for pid in proc.stdout.readline().split()]
     finally:
