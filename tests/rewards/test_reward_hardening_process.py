@@ -81,6 +81,7 @@ def test_score_batch_timeout_kills_the_worker():
     assert score_batch(get_reward("math"), ["\\boxed{3}"], [{"answer": "3"}], timeout_s=5.0) == ([1.0], 0)
 
 
+@pytest.mark.timeout(120)
 def test_workers_die_with_a_killed_trainer():
     """The trainer is SIGKILLed while a worker computes the tower: the worker dies too."""
     script = f"""
