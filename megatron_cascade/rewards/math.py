@@ -5,10 +5,12 @@ own extraction (last LaTeX / plain expression) is used, then the tail of the las
 Equivalence is decided by ``math_verify.verify`` (SymPy), so ``1/2``, ``0.5`` and
 ``\\frac{1}{2}`` all match.
 
-Threads: math-verify implements its timeouts with ``signal.alarm``, which only works in
-the main thread (elsewhere it raises ValueError). We pass its timeouts only in the main
-thread and disable them (``None``) in worker threads, where
-:func:`megatron_cascade.rewards.scoring.score_batch` enforces the per-item wall clock.
+Timeouts: math-verify implements its own (5 s) with ``signal.alarm``, which only works in
+the main thread (elsewhere it raises ValueError): we pass them only in the main thread and
+disable them (``None``) elsewhere. Batch scoring runs this reward in the main thread of a
+killable worker process (:mod:`megatron_cascade.rewards.isolation`), so both hold there: the
+5 s alarms end most runaway SymPy evaluations (``\boxed{2^{2^{32}}}``: 0 after ~5 s, < 300 MB),
+and the item's ``timeout_s`` kills the process when they cannot fire.
 """
 
 from __future__ import annotations
