@@ -5,6 +5,12 @@ top_k=50, top_p=0.9, against the untruncated op).
 Each variant runs in a fresh child process (so its RSS high-water mark is its own): the child builds
 the logits, notes its RSS, runs the op ``--repeats`` times and reports the extra peak RSS over that
 baseline and the median time. Usage: ``python benchmarks/logprobs.py [--tokens 8192 --vocab 65536]``.
+
+``--only fused`` measures fused_output_logprobs (output layer + log-probs, chunked, logits recomputed
+in backward) against the naive path (logits = hidden @ W.T, log_softmax, gather) from hidden states
+[tokens, --hidden] and a weight [vocab, --hidden], fp32: peak above the inputs and median time, values
+and gradients compared; then at TP=2 (two gloo processes, each its vocabulary half of the weight)
+against Megatron-Core's vocab_parallel_cross_entropy on each rank's materialised logits.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 
 import psutil
 import torch
+import torch.distributed as dist
 
 
 def _naive(logits, targets):
@@ -67,12 +74,130 @@ def measure(name: str, backward: bool, tokens: int, vocab: int, repeats: int) ->
     return result
 
 
+def _fused_inputs(tokens: int, hidden: int, vocab: int, backward: bool, rank: int = 0, world: int = 1):
+    """hidden [tokens, hidden], this rank's weight rows [vocab / world, hidden] (fp32), targets [tokens]."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(backward)
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).chunk(world)[rank].clone().requires_grad_(backward)
+    return h, w, torch.randint(0, vocab, (tokens,), generator=gen)
+
+
+def _fused_variant(name: str, group):
+    """log-probs [tokens] from (hidden, weight shard, targets) by the named path."""
+    from megatron_cascade.ops import fused_output_logprobs
+
+    if name == "fused":
+        return lambda h, w, t: fused_output_logprobs(h, w, t, group=group)
+    if group is None:
+        return lambda h, w, t: torch.log_softmax(h @ w.t(), dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+    # as ColumnParallelLinear: the replicated input's gradient is all-reduced over the TP group
+    return lambda h, w, t: -vocab_parallel_cross_entropy(copy_to_tensor_model_parallel_region(h) @ w.t(), t)
+
+
+def _fused_measure(name: str, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int, group=None):
+    """(extra peak bytes over the inputs, median seconds, last log-probs, grad hidden, grad weight)."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    fn = _fused_variant(name, group)
+    h, w, targets = _fused_inputs(tokens, hidden, vocab, backward, rank, world)
+    small = fn(h[:8], w, targets[:8])  # warm-up (imports, allocator) before the baseline
+    if backward:
+        small.sum().backward()
+        h.grad = w.grad = None
+    del small
+    baseline = psutil.Process().memory_info().rss
+    times = []
+    for _ in range(repeats):
+        h.grad = w.grad = None
+        if group is not None:
+            dist.barrier(group)
+        start = time.perf_counter()
+        lp = fn(h, w, targets)
+        if backward:
+            lp.sum().backward()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # numpy copies travel by value (a tensor would travel as a shared-memory handle of an exited process)
+    arrays = [None if t is None else t.detach().numpy() for t in (lp, h.grad, w.grad)]
+    return (max(0, peak - baseline), statistics.median(times), *arrays)
+
+
+def _fused_child(name: str, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int, out) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out.put(_fused_measure(name, backward, tokens, hidden, vocab, repeats))
+
+
+def _fused_tp_worker(name: str, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    return _fused_measure(name, backward, tokens, hidden, vocab, repeats, parallel_state.get_tensor_model_parallel_group())
+
+
+def _in_child(target, *args):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    result = out.get()
+    proc.join()
+    return result
+
+
+def _max_diff(a, b) -> float:
+    return float("nan") if a is None or b is None else float(abs(a - b).max())
+
+
+def _fused_row(label: str, naive, fused) -> str:
+    diffs = "  ".join(f"{n} {_max_diff(a, b):.1e}" for n, a, b in
+                      (("lp", naive[2], fused[2]), ("dh", naive[3], fused[3]), ("dW", naive[4], fused[4])))
+    return (f"{label:<14}{naive[0] / 2**20:>10.0f}{fused[0] / 2**20:>10.0f}{fused[0] / max(naive[0], 1):>11.3f}"
+            f"{naive[1]:>10.2f}{fused[1]:>10.2f}{fused[1] / naive[1]:>12.2f}   {diffs}")
+
+
+def fused_section(tokens: int, hidden: int, vocab: int, repeats: int, tp: int, naive_first: bool) -> None:
+    """fused_output_logprobs vs naive at TP=1 (one process each) and at TP=``tp`` (gloo processes)."""
+    from megatron_cascade.testing import run_distributed
+
+    order = ("naive", "fused") if naive_first else ("fused", "naive")
+    print(f"\nfused output layer: hidden [{tokens}, {hidden}], weight [{vocab}, {hidden}] fp32 "
+          f"(logits would be {tokens * vocab * 4 / 2**20:.0f} MiB); order: {' then '.join(order)}")
+    header = (f"{'naive MiB':>10}{'fused MiB':>10}{'mem ratio':>11}{'naive s':>10}{'fused s':>10}"
+              f"{'time ratio':>12}   max |naive - fused|")
+    print(f"{'TP=1':<14}{header}")
+    for backward in (False, True):
+        res = {name: _in_child(_fused_child, name, backward, tokens, hidden, vocab, repeats) for name in order}
+        print(_fused_row("fwd+bwd" if backward else "fwd", res["naive"], res["fused"]))
+    if tp > 1:
+        print(f"{f'TP={tp} rank':<14}{header}  (naive: Megatron vocab_parallel_cross_entropy; dW: own shard)")
+        for backward in (False, True):
+            res = {name: run_distributed(_fused_tp_worker, tp, name, backward, tokens, hidden, vocab, repeats,
+                                         timeout_s=3600) for name in order}
+            for rank in range(tp):
+                label = f"{'fwd+bwd' if backward else 'fwd'} r{rank}"
+                print(_fused_row(label, res["naive"][rank], res["fused"][rank]))
+    print("MiB = peak RSS above the process's RSS with the inputs allocated (fwd+bwd includes the gradients of "
+          "hidden and weight, which both must produce); s = median wall time of one pass.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the fused section")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the fused section's second run "
+                        "(1 = skip it)")
+    parser.add_argument("--only", choices=("all", "logits", "fused"), default="all",
+                        help="logits: the sections on given logits; fused: fused_output_logprobs vs naive")
+    parser.add_argument("--fused-first", action="store_true", help="run the fused variant before the naive one")
     args = parser.parse_args()
+    if args.only in ("all", "fused"):
+        fused_section(args.tokens, args.hidden, args.vocab, args.repeats, args.tp, not args.fused_first)
+    if args.only == "fused":
+        return
     logits_mb = args.tokens * args.vocab * 4 / 2**20
     print(f"logits: {args.tokens} tokens x {args.vocab} vocab, fp32 = {logits_mb:.0f} MiB; "
           f"threads={torch.get_num_threads()}")
