@@ -28,6 +28,8 @@ METRIC_MEANS: dict[str, tuple[str, str]] = {
     "reverse_kl_sum": ("reverse_kl_mean", "tokens"),  # mean sampled-token log pi/pi_T
     # SFT
     "nll_sum": ("nll_mean", "tokens"),  # mean negative log-likelihood
+    # RL losses on truncated (top-k / top-p) log-probs: tokens outside the trainer's kept set
+    "off_support_tokens": ("off_support_frac", "tokens"),
     # every loss (added by the training plug-in)
     "entropy_sum": ("entropy_mean", "tokens"),  # mean entropy of the sampling distribution (nats)
 }

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded_vocab
 
 
-LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32
+LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32 (the RL losses mask such tokens: losses/base.py)
 # Elements of one chunk's float32 temporaries (16 MiB): the sort behind top-p makes several.
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -159,7 +159,7 @@ def vocab_parallel_truncated_logprobs(
 
     Returns:
         ([...] float32 log-probs (float64 for float64 logits), differentiable in ``logits``;
-        a target outside the kept set gets -inf), and [...] entropies or None.
+        a target outside the kept set gets ``LOGPROB_FLOOR`` and no gradient), and [...] entropies or None.
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without the "

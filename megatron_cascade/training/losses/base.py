@@ -50,6 +50,28 @@ def importance_inputs(cfg: LossConfig, micro: TrainBatch) -> tuple[torch.Tensor 
     return micro.inference_logprobs, _IS_MODES[cfg.importance_correction]
 
 
+# A log-prob at or below this (nats) is of a token outside the trainer's top-k/top-p set: the
+# truncated op's floor (``ops/truncated_logprobs.LOGPROB_FLOOR``), probability 0 in float32.
+OFF_SUPPORT_LOGPROB = -1e4
+OFF_SUPPORT_METRIC = "off_support_tokens"
+
+
+def on_support(logprobs: torch.Tensor, micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss mask without tokens that the current or the old policy's truncated distribution
+    cannot produce (the sampler kept them, the trainer's filter did not: the two computed the
+    top-p boundary from logits that differ in the last bits), and their count (float64 scalar).
+
+    Such a token has a probability ratio of 0 or infinity; it leaves the loss — like an IS-rejected
+    token it still counts in the global normaliser, which was fixed before the forward — and is
+    counted (``off_support_frac``), as NeMo-RL masks -inf log-probs."""
+    mask = micro.loss_mask.bool()
+    ok = logprobs.detach() > OFF_SUPPORT_LOGPROB
+    if micro.old_logprobs is not None:
+        ok = ok & (micro.old_logprobs > OFF_SUPPORT_LOGPROB)
+    kept = mask & ok
+    return kept.to(micro.loss_mask.dtype), (mask & ~ok).sum().to(torch.float64)
+
+
 def check_needs(loss: Loss, micro: TrainBatch) -> None:
     """Refuse a micro-batch that lacks a field ``loss`` reads (a clear error, not a None deep inside)."""
     missing = [name for name in loss.needs if getattr(micro, name) is None]
