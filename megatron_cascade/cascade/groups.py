@@ -30,8 +30,9 @@ class GroupRound:
         scores: [P*G] float64 verifier scores (0 where the reward failed).
         errored: [P*G] bool, the reward raised or timed out (the sample is invalid).
         rewards: [P, G] rewards after the overlong policy (what advantages are computed from).
-        keep: [P, G] bool, samples that may enter the loss (overlong policy, valid reward).
-        informative: [P] bool, groups whose valid rewards are not all equal.
+        keep: [P, G] bool, samples the overlong policy keeps in the loss (a stage training on rewards
+            also drops those whose reward failed: ``errored``).
+        informative: [P] bool, groups whose kept, scored rewards are not all equal.
     """
 
     examples: list[Example]

@@ -85,8 +85,8 @@ def _unread_keys(kind: str) -> tuple[str, ...]:
     """Stage-relative keys a stage of type ``kind`` never reads (from the stage registry): sampling
     settings of a stage that does not generate, loss settings and G of supervised (NLL) stages."""
     entry = stage_type(kind)
-    unread = () if entry.generates else ("rollout",)
-    return unread + (("loss", "samples_per_prompt") if entry.loss == "sft" else ())
+    unread = () if entry.generates else ("rollout", "samples_per_prompt")
+    return unread + (("loss",) if entry.loss == "sft" else ())  # the NLL reads no loss setting
 
 
 def _stage_changes(recorded: RunConfig, now: RunConfig, stage, now_stage) -> list[ConfigChange]:

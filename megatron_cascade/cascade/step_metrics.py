@@ -6,7 +6,6 @@ Names are what TensorBoard and ``metrics.jsonl`` show (documented in the README'
 from __future__ import annotations
 
 import math
-import os
 
 
 def _div(num: float, den: float) -> float:
@@ -18,7 +17,7 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
     """Means, fractions and maxima of a step's rollouts.
 
     Args:
-        total: global sums (``StageRunner._rollout_sums`` keys, plus ``groups_trained``,
+        total: global sums (``RolloutStage._rollout_sums`` keys, plus ``groups_trained``,
             ``advantage_abs_sum``, ``samples_trained`` for GRPO and ``mopd_rkl_sum/*``,
             ``mopd_tokens/*`` for MOPD).
         peaks: global maxima (``response_length_max``, ``sampling_rounds``).
@@ -65,22 +64,38 @@ def _reward_metrics(total: dict[str, float], domains: list[str], samples: float,
     }
     for d in domains:
         if total[f"scored/{d}"]:
-            out[f"reward/{d}"] = total[f"reward_sum/{d}"] / total[f"scored/{d}"]
+            out[f"reward/domain/{d}"] = total[f"reward_sum/{d}"] / total[f"scored/{d}"]
     return out
 
 
 def _reverse_kl(total: dict[str, float], teachers: dict[str, str]) -> dict[str, float]:
     """MOPD: mean sampled-token reverse KL to the teacher, per domain and per teacher (nats)."""
     out, per_teacher = {}, {}
+    tags = teacher_tags(teachers.values())
     for domain, teacher in teachers.items():
         kl, tokens = total.get(f"mopd_rkl_sum/{domain}", 0.0), total.get(f"mopd_tokens/{domain}", 0.0)
         if tokens:
             out[f"reverse_kl/domain/{domain}"] = kl / tokens
-        # A teacher given as a folder is named by its last component (a tag, not a path).
-        acc = per_teacher.setdefault(os.path.basename(teacher.rstrip("/")), [0.0, 0.0])
+        acc = per_teacher.setdefault(tags[teacher], [0.0, 0.0])
         acc[0] += kl
         acc[1] += tokens
-    for teacher, (kl, tokens) in per_teacher.items():
+    for tag, (kl, tokens) in per_teacher.items():
         if tokens:
-            out[f"reverse_kl/teacher/{teacher}"] = kl / tokens
+            out[f"reverse_kl/teacher/{tag}"] = kl / tokens
     return out
+
+
+def teacher_tags(teachers) -> dict[str, str]:
+    """A metric tag per distinct teacher: a stage name as it is; a folder by the shortest tail of its
+    path that tells it from the others (``.../rlhf/final`` and ``.../code_rl/final`` ->
+    ``rlhf_final``, ``code_rl_final``), path separators as ``_``."""
+    distinct = sorted(set(teachers))
+    parts = {t: [p for p in t.split("/") if p not in ("", ".")] or [t] for t in distinct}
+    tags = {}
+    for t in distinct:
+        for n in range(1, len(parts[t]) + 1):
+            tail = parts[t][-n:]
+            if sum(1 for u in distinct if parts[u][-n:] == tail) == 1:
+                break
+        tags[t] = "_".join(tail)
+    return tags

@@ -22,7 +22,7 @@ class GRPOStage(RolloutStage):
     def _reference_model(self):
         """Frozen stage-start weights for the KL term (only when loss.kl_coef > 0)."""
         r = self.runner
-        if r.stage.loss.kl_coef == 0:
+        if not self.entry.kl_reference or r.stage.loss.kl_coef == 0:
             return None
         model = in_model_precision(build_gpt_model(r.cfg.model, r.cfg.parallel), r.cfg.model).eval()
         model.load_state_dict(r.policy.module.state_dict())
@@ -33,7 +33,9 @@ class GRPOStage(RolloutStage):
     def train_batch(self, chosen: GroupRound, sums: dict, timing: dict) -> TrainBatch:
         r = self.runner
         ro = r.stage.rollout
-        keep = chosen.keep
+        # A failed reward's 0 is not a verdict on the response: the sample leaves the loss, the
+        # normaliser and its group's advantage statistics.
+        keep = chosen.keep & ~chosen.errored.view_as(chosen.keep)
         advantages = group_advantages(chosen.rewards, std_normalize=ro.std_normalize_advantages,
                                       baseline=ro.advantage_baseline, std=ro.advantage_std, valid=keep)
         if ro.filter_uninformative_groups:

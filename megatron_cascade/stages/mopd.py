@@ -1,5 +1,6 @@
 """MOPD: on-policy distillation from a teacher per domain (earlier stages of the run, or folders);
-rewards are scored for the logs (and the reward-failure guard), not trained on."""
+rewards are scored for the logs (and the reward-failure guard), not trained on: a sample whose reward
+failed stays in the distillation loss."""
 
 from __future__ import annotations
 

@@ -75,10 +75,9 @@ class RolloutStage(StageType):
         finished = torch.tensor([s.finish_reason == "stop" for s in rollouts])
         rewards, keep = apply_overlong_policy(scores.view(len(examples), G), finished.view(len(examples), G),
                                               policy=r.stage.rollout.overlong_policy)
-        # A failed reward's 0 is not a verdict on the response: the sample leaves the loss, the
-        # normaliser and its group's advantage statistics.
-        keep = keep & ~errored.view(len(examples), G)
-        return GroupRound(examples, rollouts, scores, errored, rewards, keep, informative_groups(rewards, valid=keep))
+        # A failed reward's 0 is not a verdict on the response: it is no evidence for its group.
+        informative = informative_groups(rewards, valid=keep & ~errored.view(len(examples), G))
+        return GroupRound(examples, rollouts, scores, errored, rewards, keep, informative)
 
     def _generate_groups(self, step: int, examples: list[Example], timing: dict) -> list[GroupRound]:
         """Round 0 on ``examples``; with dynamic sampling further rounds on further prompts until every

@@ -69,12 +69,12 @@ def test_tensorboard_has_the_named_scalars(uninterrupted):
         tags |= set(acc.Tags()["scalars"])
     expected = {
         "sft/loss", "sft/nll_mean", "sft/grad_norm", "sft/lr", "sft/throughput/tokens_per_s",
-        "if_rl/reward/mean", "if_rl/reward/instruction_following", "if_rl/advantage/abs_mean", "if_rl/loss",
+        "if_rl/reward/mean", "if_rl/reward/domain/instruction_following", "if_rl/advantage/abs_mean", "if_rl/loss",
         "if_rl/grad_norm", "if_rl/lr", "if_rl/response/length_mean", "if_rl/finish/stop_frac",
         "if_rl/finish/length_frac", "if_rl/is_abs_log_ratio_mean", "if_rl/is_masked_frac",
         "if_rl/time/generation_s", "if_rl/time/reward_s", "if_rl/time/train_s", "if_rl/throughput/tokens_per_s",
         "if_rl/entropy_mean", "if_rl/clip_frac", "sft/entropy_mean", "mopd/entropy_mean",
-        "mopd/reverse_kl_mean", "mopd/reward/math", "eval/math", "eval/instruction_following",
+        "mopd/reverse_kl_mean", "mopd/reward/domain/math", "eval/math", "eval/instruction_following",
         # issue 12's rollout telemetry
         "if_rl/reward/std", "if_rl/reward/raw_mean", "if_rl/response/length_max",
         "if_rl/response/length_mean/instruction_following", "if_rl/finish/stop_frac/instruction_following",

@@ -49,7 +49,7 @@ def test_reward_mean_is_after_the_overlong_policy_and_raw_mean_before():
     assert m["reward/mean"] == pytest.approx(1 / 3)
     assert m["reward/raw_mean"] == pytest.approx(2 / 3)
     assert m["reward/std"] == pytest.approx(math.sqrt(1 / 3 - 1 / 9))
-    assert m["reward/math"] == pytest.approx(1 / 3)
+    assert m["reward/domain/math"] == pytest.approx(1 / 3)
     assert m["reward/errors"] == 1 and m["reward/error_frac"] == 0.25
     assert m["response/length_mean"] == 4.5 and m["response/length_max"] == 8
     assert m["response/length_mean/math"] == 4.5
@@ -73,3 +73,23 @@ def test_reverse_kl_per_domain_and_teacher():
                         {"a": "stage_x", "b": "/ckpts/teacher_y/"})
     assert m["reverse_kl/domain/a"] == 0.75 and m["reverse_kl/domain/b"] == 0.25
     assert m["reverse_kl/teacher/stage_x"] == 0.75 and m["reverse_kl/teacher/teacher_y"] == 0.25
+
+
+def test_folder_teachers_keep_distinct_tags():
+    """Stage outputs all end in .../final: before, two such teachers were averaged under one tag."""
+    total = {"groups": 2.0, "groups_informative": 0.0, "samples/rlhf": 1.0, "samples/stem": 1.0,
+             "length_sum/rlhf": 1.0, "length_sum/stem": 1.0, "stop_sum/rlhf": 1.0, "stop_sum/stem": 1.0,
+             "mopd_rkl_sum/rlhf": 1.0, "mopd_tokens/rlhf": 1.0, "mopd_rkl_sum/stem": 0.0, "mopd_tokens/stem": 1.0}
+    m = rollout_metrics(total, {"response_length_max": 1.0, "sampling_rounds": 1.0}, 2,
+                        {"rlhf": "/runs/x/stages/rlhf/final", "stem": "/runs/x/stages/multi_domain_rl/final"})
+    assert m["reverse_kl/teacher/rlhf_final"] == 1.0 and m["reverse_kl/teacher/multi_domain_rl_final"] == 0.0
+
+
+def test_a_domain_named_like_a_reward_metric_does_not_overwrite_it():
+    """Before, a domain named ``mean`` logged its own reward as ``reward/mean`` (1.0 here, not 0.5)."""
+    total = {"groups": 2.0, "groups_informative": 0.0}
+    for d, r in (("mean", 1.0), ("b", 0.0)):
+        total.update({f"samples/{d}": 1.0, f"scored/{d}": 1.0, f"reward_sum/{d}": r, f"reward_sq_sum/{d}": r,
+                      f"raw_reward_sum/{d}": r, f"length_sum/{d}": 1.0, f"stop_sum/{d}": 1.0})
+    m = rollout_metrics(total, {"response_length_max": 1.0, "sampling_rounds": 1.0}, 2, {})
+    assert m["reward/mean"] == 0.5 and m["reward/domain/mean"] == 1.0
