@@ -294,9 +294,11 @@ def check_instruction(instruction_id: str, response: str, kwargs: dict[str, Any]
 @run_in_process
 def instruction_following_reward(response: str, sample: dict, *, all_or_nothing: bool = False) -> float:
     """Fraction of ``sample["instructions"]`` followed (1.0/0.0 with ``all_or_nothing``)."""
-    instructions = sample["instructions"]
-    if not instructions:
-        return 1.0
+    instructions = sample.get("instructions")
+    if not isinstance(instructions, list) or not instructions:
+        # A row without instructions would score 1.0 for any response (and inflate eval): a bad row,
+        # counted as a reward error for its samples only.
+        raise ValueError(f"row has no instructions (a non-empty list), got {instructions!r}")
     followed = [check_instruction(i["id"], response, i.get("kwargs")) for i in instructions]
     if all_or_nothing:
         return float(all(followed))

@@ -84,3 +84,12 @@ def test_language_unsupported_or_working():
             get_reward("instruction_following")("Hello there, friend.", sample)
     else:
         assert get_reward("instruction_following")("Hello there, my good friend.", sample) == 1.0
+
+
+@pytest.mark.parametrize("instructions", [None, [], "detectable_format:title"])
+def test_a_row_without_instructions_is_an_error_not_a_free_one(instructions):
+    """Before, ``instructions: null`` or ``[]`` scored 1.0 for any response."""
+    from megatron_cascade.rewards.ifeval import instruction_following_reward
+
+    with pytest.raises(ValueError, match="row has no instructions"):
+        instruction_following_reward("anything", {"instructions": instructions})
