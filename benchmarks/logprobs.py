@@ -124,16 +124,40 @@ def _fused_measure(name: str, backward: bool, tokens: int, hidden: int, vocab: i
     return (max(0, peak - baseline), statistics.median(times), *arrays)
 
 
-def _fused_child(name: str, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int, out) -> None:
+def _fused_timing(order: tuple, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int, group=None):
+    """{name: median seconds}, the variants alternating in one process: on a machine shared with other
+    work, both then see the same load (separate processes minutes apart did not: 0.98x and 2.04x)."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    h, w, targets = _fused_inputs(tokens, hidden, vocab, backward, rank, world)
+    fns = {name: _fused_variant(name, group) for name in order}
+    times = {name: [] for name in order}
+    for _ in range(repeats + 1):  # the first round warms up (page faults of first use)
+        for name in order:
+            h.grad = w.grad = None
+            if group is not None:
+                dist.barrier(group)
+            start = time.perf_counter()
+            lp = fns[name](h, w, targets)
+            if backward:
+                lp.sum().backward()
+            times[name].append(time.perf_counter() - start)
+            del lp
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def _fused_child(task: str, *args) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    out.put(_fused_measure(name, backward, tokens, hidden, vocab, repeats))
+    out = args[-1]
+    out.put(_fused_measure(*args[:-1]) if task == "memory" else _fused_timing(*args[:-1]))
 
 
-def _fused_tp_worker(name: str, backward: bool, tokens: int, hidden: int, vocab: int, repeats: int):
+def _fused_tp_worker(task: str, *args):
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    return _fused_measure(name, backward, tokens, hidden, vocab, repeats, parallel_state.get_tensor_model_parallel_group())
+    group = parallel_state.get_tensor_model_parallel_group()
+    return _fused_measure(*args, group=group) if task == "memory" else _fused_timing(*args, group=group)
 
 
 def _in_child(target, *args):
@@ -150,11 +174,12 @@ def _max_diff(a, b) -> float:
     return float("nan") if a is None or b is None else float(abs(a - b).max())
 
 
-def _fused_row(label: str, naive, fused) -> str:
+def _fused_row(label: str, naive, fused, times: dict) -> str:
+    """naive / fused: _fused_measure results (peak, -, log-probs, grads); times: _fused_timing's medians."""
     diffs = "  ".join(f"{n} {_max_diff(a, b):.1e}" for n, a, b in
                       (("lp", naive[2], fused[2]), ("dh", naive[3], fused[3]), ("dW", naive[4], fused[4])))
     return (f"{label:<14}{naive[0] / 2**20:>10.0f}{fused[0] / 2**20:>10.0f}{fused[0] / max(naive[0], 1):>11.3f}"
-            f"{naive[1]:>10.2f}{fused[1]:>10.2f}{fused[1] / naive[1]:>12.2f}   {diffs}")
+            f"{times['naive']:>10.2f}{times['fused']:>10.2f}{times['fused'] / times['naive']:>12.2f}   {diffs}")
 
 
 def fused_section(tokens: int, hidden: int, vocab: int, repeats: int, tp: int, naive_first: bool) -> None:
@@ -168,18 +193,22 @@ def fused_section(tokens: int, hidden: int, vocab: int, repeats: int, tp: int, n
               f"{'time ratio':>12}   max |naive - fused|")
     print(f"{'TP=1':<14}{header}")
     for backward in (False, True):
-        res = {name: _in_child(_fused_child, name, backward, tokens, hidden, vocab, repeats) for name in order}
-        print(_fused_row("fwd+bwd" if backward else "fwd", res["naive"], res["fused"]))
+        res = {name: _in_child(_fused_child, "memory", name, backward, tokens, hidden, vocab, 1) for name in order}
+        times = _in_child(_fused_child, "time", order, backward, tokens, hidden, vocab, repeats)
+        print(_fused_row("fwd+bwd" if backward else "fwd", res["naive"], res["fused"], times))
     if tp > 1:
         print(f"{f'TP={tp} rank':<14}{header}  (naive: Megatron vocab_parallel_cross_entropy; dW: own shard)")
         for backward in (False, True):
-            res = {name: run_distributed(_fused_tp_worker, tp, name, backward, tokens, hidden, vocab, repeats,
+            res = {name: run_distributed(_fused_tp_worker, tp, "memory", name, backward, tokens, hidden, vocab, 1,
                                          timeout_s=3600) for name in order}
+            times = run_distributed(_fused_tp_worker, tp, "time", order, backward, tokens, hidden, vocab, repeats,
+                                    timeout_s=3600)
             for rank in range(tp):
                 label = f"{'fwd+bwd' if backward else 'fwd'} r{rank}"
-                print(_fused_row(label, res["naive"][rank], res["fused"][rank]))
+                print(_fused_row(label, res["naive"][rank], res["fused"][rank], times[rank]))
     print("MiB = peak RSS above the process's RSS with the inputs allocated (fwd+bwd includes the gradients of "
-          "hidden and weight, which both must produce); s = median wall time of one pass.")
+          "hidden and weight, which both must produce), each variant alone in a fresh process; s = median wall "
+          "time of one pass, the two variants alternating in one process (after a warm-up round).")
 
 
 def main() -> None:
