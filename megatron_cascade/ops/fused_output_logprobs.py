@@ -44,15 +44,16 @@ class _Workspace:
     """[chunk, V_local] buffers that every chunk reuses.
 
     A fresh 64 MiB tensor per chunk costs its page faults every time (on CPU about as long as the
-    log-softmax over it), so the GEMM writes into one buffer and the softmax into another.
+    log-softmax over it), so the GEMM writes into one buffer and the softmax into another. ``wgrad``:
+    a weight-sized buffer for each chunk's 16-bit weight gradient before it is added in float32.
     """
 
-    def __init__(self, chunk: int, weight: torch.Tensor, acc: torch.dtype, softmax: bool):
+    def __init__(self, chunk: int, weight: torch.Tensor, acc: torch.dtype, *, softmax: bool, wgrad: bool):
         shape = (chunk, weight.shape[0])
         self.logits = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         self.acc = self.logits if weight.dtype == acc else torch.empty(shape, dtype=acc, device=weight.device)
         self.softmax = torch.empty(shape, dtype=acc, device=weight.device) if softmax else None
-        self.wgrad = None if weight.dtype == acc else torch.empty_like(weight)
+        self.wgrad = torch.empty_like(weight) if wgrad and weight.dtype != acc else None
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, ws: _Workspace, valid: int,
@@ -120,7 +121,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
         start, end = _vocab_range(weight.shape[0], group)
         valid = _valid_columns(weight.shape[0], start, vocab_size)
         acc = _accumulation_dtype(hidden)
-        ws = _Workspace(min(chunk_size, max(n, 1)), weight, acc, softmax=True)
+        ws = _Workspace(min(chunk_size, max(n, 1)), weight, acc, softmax=True, wgrad=False)
         local_lse = torch.empty(n, dtype=acc, device=hidden.device)
         target_logit = torch.empty(n, dtype=acc, device=hidden.device)
         local_expected = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
@@ -152,7 +153,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         acc = _accumulation_dtype(hidden)
         grad_out = grad_out.to(acc)
-        ws = _Workspace(min(ctx.chunk_size, max(n, 1)), weight, acc, softmax=False)
+        ws = _Workspace(min(ctx.chunk_size, max(n, 1)), weight, acc, softmax=False, wgrad=need_weight)
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
         # The weight gradient sums over every chunk: accumulated in ``acc`` (float32 for 16-bit weights,
         # as Megatron's main_grad), rounded to the weight's dtype once at the end.
@@ -167,7 +168,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
                 grad = ws.logits[:hi - lo].copy_(grad)
             if need_hidden:
                 torch.mm(grad, weight, out=grad_hidden[lo:hi])
-            if need_weight and ws.wgrad is None:
+            if need_weight and ws.wgrad is None:  # same dtype: accumulate inside the GEMM
                 grad_weight.addmm_(grad.t(), h)
             elif need_weight:
                 grad_weight += torch.mm(grad.t(), h, out=ws.wgrad)
