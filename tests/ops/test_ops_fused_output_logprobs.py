@@ -110,6 +110,17 @@ def test_bfloat16_weight_gradient_sums_chunks_in_float32():
     assert (w.grad.double() - ref_gw).abs().max() <= 1.5 * unfused_err
 
 
+def test_float32_log_sum_exp_keeps_its_precision_next_to_a_very_low_logit():
+    """The log-sum-exp comes from a log_softmax buffer, read at the row's maximum; read at column 0 (a
+    logit of about -7e3 here) it lost ~eps * 7e3 = 4e-4."""
+    hidden, weight, targets, grad_out = _data(seed=6)
+    hidden, weight, targets = hidden.abs(), weight.clone(), targets.clamp(min=1)
+    weight[0] = -400.0  # logit 0 of every token ~ -7e3 (and no target: its own log-prob is that large)
+    ref_lp = _reference(hidden, weight, targets, grad_out, real=VOCAB)[0]
+    lp = fused_output_logprobs(hidden.float(), weight.float(), targets, chunk_size=4)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2e-5, rtol=0)
+
+
 def test_bad_input_is_a_clear_error():
     hidden, weight, targets, _ = _data()
     with pytest.raises(ValueError, match="targets shape"):
