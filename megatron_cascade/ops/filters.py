@@ -38,3 +38,19 @@ def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p (what the sampler draws from; others -inf): ``filter_top_p(filter_top_k(...))``
+    without sorting the whole vocabulary when both are set — top-p only ranks the top-k survivors
+    (ties at the k-th value included), a ``topk`` of a few entries instead of a sort of V."""
+    if top_k <= 0 or top_k >= logits.shape[-1] or top_p >= 1.0:
+        return filter_top_p(filter_top_k(logits, top_k), top_p)
+    kept = filter_top_k(logits, top_k)
+    width = int(torch.isfinite(kept).sum(dim=-1).max())  # >= top_k (ties at the boundary stay)
+    values, index = torch.topk(kept, width, dim=-1)  # descending; -inf past a row's survivors
+    probs = torch.softmax(values, dim=-1)
+    drop_sorted = torch.cumsum(probs, dim=-1) - probs >= top_p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros(kept.shape, dtype=torch.bool, device=kept.device).scatter(-1, index, drop_sorted)
+    return kept.masked_fill(drop, float("-inf"))

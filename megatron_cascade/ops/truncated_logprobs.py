@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded_vocab
+from megatron_cascade.ops.filters import filter_top_k_top_p, mask_padded_vocab
 
 
 LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32 (the RL losses mask such tokens: losses/base.py)
@@ -84,7 +84,7 @@ def _keep_mask(x: torch.Tensor, top_k: int, top_p: float, vocab_size: Optional[i
     """[rows, V] bool: the ids the sampler may draw (real vocabulary, then top-k, then top-p)."""
     if vocab_size is not None:
         x = mask_padded_vocab(x, vocab_size)
-    return torch.isfinite(filter_top_p(filter_top_k(x, top_k), top_p))
+    return torch.isfinite(filter_top_k_top_p(x, top_k, top_p))
 
 
 class _TruncatedLogprobs(torch.autograd.Function):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.ops.filters import filter_top_k, filter_top_p, mask_padded_vocab
+from megatron_cascade.ops.filters import filter_top_k_top_p, mask_padded_vocab
 from megatron_cascade.rollout.params import SamplingParams
 
 
@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
         tokens = allowed.argmax(dim=-1)
         sampled_lp = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
     else:
-        filtered = filter_top_p(filter_top_k(allowed / params.temperature, params.top_k), params.top_p)
+        filtered = filter_top_k_top_p(allowed / params.temperature, params.top_k, params.top_p)
         noise = gumbel if gumbel is not None else _gumbel_noise(filtered.shape, generator, filtered.device)
         tokens = (filtered + noise).argmax(dim=-1)
         sampled_lp = _pick(torch.log_softmax(filtered, dim=-1), tokens)

@@ -7,7 +7,8 @@ import torch
 
 from megatron_cascade.rollout import RolloutBatch, RolloutSample, SamplingParams, pack_rollouts
 from megatron_cascade.rollout.layout import left_pad
-from megatron_cascade.rollout.sampling import filter_top_k, filter_top_p, mask_padded_vocab, sample
+from megatron_cascade.ops.filters import filter_top_k, filter_top_k_top_p, filter_top_p, mask_padded_vocab
+from megatron_cascade.rollout.sampling import sample
 from megatron_cascade.rollout.stopping import StopCriteria
 from megatron_cascade.tokenizers import CharTokenizer
 
@@ -139,3 +140,18 @@ def test_pack_rollouts_alignment():
     assert math.isclose(sampled.inference_logprobs[1, 0].item(), -0.03, rel_tol=1e-6)
     with pytest.raises(ValueError, match="shorter"):
         pack_rollouts(RolloutBatch(samples, SamplingParams()), pad_id=0, seq_length=4)
+
+
+def test_top_k_then_top_p_ranks_only_the_top_k():
+    """The combined filter (a topk of the survivors instead of a sort of the vocabulary) keeps what
+    top-p after top-k keeps. Ties at the k-th value all survive top-k; where top-p then cuts inside a
+    run of equal logits, which of them stay is arbitrary (sort and topk order ties differently): the
+    count is the same. The sampler and the trainer use this one function, so they always agree."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 500, generator=gen) * 3
+    logits[0, :6] = 9.0  # six tied at the top: top-k 4 keeps all six, top-p cuts among them
+    for k, p in [(4, 0.5), (50, 0.9), (1, 0.3), (499, 0.99), (0, 0.8), (20, 1.0)]:
+        got = torch.isfinite(filter_top_k_top_p(logits, k, p))
+        expected = torch.isfinite(filter_top_p(filter_top_k(logits, k), p))
+        assert torch.equal(got[1:], expected[1:]), (k, p)
+        assert got[0].sum() == expected[0].sum() and bool((got[0] <= (logits[0] >= 9.0) | expected[0]).all())
