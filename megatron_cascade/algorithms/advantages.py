@@ -9,10 +9,13 @@ from typing import Optional
 
 import torch
 
-BASELINES = ("mean", "leave_one_out")
+from megatron_cascade.config.schema import AdvantageBaseline, AdvantageStd, OverlongPolicy
+
+# The config's choice lists (one home for each): the rollout section's keys of the same names.
+BASELINES = tuple(AdvantageBaseline.values())
 # sample: Bessel-corrected std (n - 1), as verl, NeMo-RL and TRL normalise; population: divide by n.
-ADVANTAGE_STDS = ("sample", "population")
-OVERLONG_POLICIES = ("zero", "mask")
+ADVANTAGE_STDS = tuple(AdvantageStd.values())
+OVERLONG_POLICIES = tuple(OverlongPolicy.values())
 
 
 def _check_rewards(fn: str, rewards: torch.Tensor, valid: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from megatron_cascade.config.training import MopdNormalization
+
 from ._common import (
     Normalizer,
     as_bool_mask,
@@ -26,7 +28,7 @@ from ._common import (
 )
 from .importance import IS_MODES, importance_weights
 
-MOPD_NORMALIZATIONS = ("sequence", "token")
+MOPD_NORMALIZATIONS = tuple(MopdNormalization.values())  # loss.mopd_normalization's choices
 
 #: Keys of the metrics dict returned by :func:`mopd_loss` (always all present).
 MOPD_METRIC_KEYS = (

@@ -12,11 +12,11 @@ import os
 import torch
 
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
-from megatron_cascade.model import build_gpt_model, load_model_weights
+from megatron_cascade.model import load_model_weights
 from megatron_cascade.model.checkpoint import read_model_config
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.loss_plugin import LossSpec
-from megatron_cascade.training.policy import in_model_precision, unwrap
+from megatron_cascade.training.policy import build_frozen_model, unwrap
 from megatron_cascade.training.step import expert_lockstep_needed, forward_logprobs
 
 TOKENIZER_FINGERPRINT_FILE = "tokenizer_fingerprint.txt"
@@ -55,10 +55,8 @@ class TeacherPool:
         self.model_cfg = model_cfg
         # At the policy's precision (bf16: inside Float16Module), so a teacher holding the student's
         # weights computes exactly the student's log-probs.
-        self.module = in_model_precision(build_gpt_model(model_cfg, parallel), model_cfg).eval()
+        self.module = build_frozen_model(model_cfg, parallel)
         gpt = unwrap(self.module)
-        for param in self.module.parameters():
-            param.requires_grad_(False)
         # Read every teacher now (a collective load on all ranks), keep CPU copies: later swaps are
         # local, so data-parallel ranks whose batches hold different domains never wait on each other.
         self._offloaded: dict[str, dict[str, torch.Tensor]] = {}

@@ -30,14 +30,11 @@ from megatron_cascade.ops.logprobs import (
     _accumulation_dtype,
     _default_chunk,
     _global_logsumexp,
+    _group_size,
     _local_target_logit,
     _valid_columns,
     _vocab_range,
 )
-
-
-def _tp_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class _Workspace:
@@ -93,7 +90,7 @@ def _entropy(local_lse: torch.Tensor, lse: torch.Tensor, local_expected: torch.T
              group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """lse - E_p[x], with E_p[x] = sum_r exp(lse_r - lse) * local_expected_r over the TP ranks."""
     expected = (local_lse - lse).exp() * local_expected
-    if _tp_size(group) > 1:
+    if _group_size(group) > 1:
         dist.all_reduce(expected, group=group)
     return lse - expected
 
@@ -134,7 +131,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
             if with_entropy:
                 local_expected[lo:hi] = expected
         del ws
-        if _tp_size(group) > 1:
+        if _group_size(group) > 1:
             dist.all_reduce(target_logit, group=group)
         lse = _global_logsumexp(local_lse, group)
         entropy = _entropy(local_lse, lse, local_expected, group) if with_entropy else None
@@ -172,7 +169,7 @@ class _FusedOutputLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(grad.t(), h)
             elif need_weight:
                 grad_weight += torch.mm(grad.t(), h, out=ws.wgrad)
-        if need_hidden and ctx.reduce_hidden_grad and _tp_size(ctx.group) > 1:
+        if need_hidden and ctx.reduce_hidden_grad and _group_size(ctx.group) > 1:
             dist.all_reduce(grad_hidden, group=ctx.group)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)

@@ -28,6 +28,11 @@ def _accumulation_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks of ``group`` (1 for None: not sharded)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def _vocab_range(vocab_local: int, group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     rank = dist.get_rank(group) if group is not None else 0
     return rank * vocab_local, (rank + 1) * vocab_local
@@ -35,7 +40,7 @@ def _vocab_range(vocab_local: int, group: Optional[dist.ProcessGroup]) -> tuple[
 
 def _global_logsumexp(local_lse: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """log(sum_r exp(lse_r)) over the ranks of ``group``, stable: two all-reduces of [chunk]."""
-    if group is None or dist.get_world_size(group) == 1:
+    if _group_size(group) == 1:
         return local_lse
     shift = local_lse.clone()
     dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
@@ -79,7 +84,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             chunk = logits[lo:hi]
             lse[lo:hi] = _chunk_logsumexp(chunk, valid, acc)
             target_logit[lo:hi] = _local_target_logit(chunk, targets[lo:hi], start, end)[0]
-        if group is not None and dist.get_world_size(group) > 1:
+        if _group_size(group) > 1:
             dist.all_reduce(target_logit, group=group)
             lse = _global_logsumexp(lse, group)
         ctx.save_for_backward(logits, targets, lse)
@@ -174,6 +179,6 @@ def vocab_parallel_entropy(
     for lo in range(0, n, chunk):
         part = flat[lo:lo + chunk, :valid].to(acc)
         expected_logit[lo:lo + chunk] = ((part - lse[lo:lo + chunk, None]).exp() * part).sum(-1)
-    if group is not None and dist.get_world_size(group) > 1:
+    if _group_size(group) > 1:
         dist.all_reduce(expected_logit, group=group)
     return (lse - expected_logit).reshape(logits.shape[:-1])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.ops.filters import filter_top_k_top_p, mask_padded_vocab
+from megatron_cascade.ops.logprobs import _accumulation_dtype, _group_size
 
 
 LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32 (the RL losses mask such tokens: losses/base.py)
@@ -29,13 +30,9 @@ LOGPROB_FLOOR = -1e4  # nats: exp() of it is 0 in float32 (the RL losses mask su
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _tp_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def _vocab_to_token_shards(x: torch.Tensor, group) -> torch.Tensor:
     """[N, V/TP] (N divisible by TP) -> [N/TP, V]: rank r gets rows r*N/TP.. with every vocab shard."""
-    tp = _tp_size(group)
+    tp = _group_size(group)
     n, v_local = x.shape
     recv = torch.empty(tp, n // tp, v_local, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, x.contiguous(), group=group)  # recv[s] = rank s's shard of my rows
@@ -44,7 +41,7 @@ def _vocab_to_token_shards(x: torch.Tensor, group) -> torch.Tensor:
 
 def _token_to_vocab_shards(y: torch.Tensor, group) -> torch.Tensor:
     """Inverse of :func:`_vocab_to_token_shards`: [N/TP, V] -> [N, V/TP]."""
-    tp = _tp_size(group)
+    tp = _group_size(group)
     rows, v = y.shape
     send = y.reshape(rows, tp, v // tp).permute(1, 0, 2).contiguous()  # send[s] = shard s of my rows
     out = torch.empty(tp * rows, v // tp, dtype=y.dtype, device=y.device)
@@ -70,7 +67,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rows = group, x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(_tp_size(group))]
+        parts = [torch.empty_like(x) for _ in range(_group_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
@@ -95,7 +92,7 @@ class _TruncatedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, top_k, top_p, vocab_size, chunk):
         n = logits.shape[0]
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        acc = _accumulation_dtype(logits)
         picked = torch.empty(n, dtype=acc, device=logits.device)
         entropy = torch.empty(n, dtype=acc, device=logits.device)
         lse = torch.empty(n, dtype=acc, device=logits.device)
@@ -164,7 +161,7 @@ def vocab_parallel_truncated_logprobs(
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without the "
                          f"vocab dim {tuple(logits.shape[:-1])}")
-    lead, tp = targets.shape, _tp_size(group)
+    lead, tp = targets.shape, _group_size(group)
     flat = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
     n = flat.shape[0]

@@ -8,10 +8,9 @@ import time
 from megatron_cascade.algorithms import group_advantages
 from megatron_cascade.cascade.batches import rollout_batch
 from megatron_cascade.cascade.groups import GroupRound
-from megatron_cascade.model import build_gpt_model
 from megatron_cascade.stages.rollout import RolloutStage
 from megatron_cascade.training import TrainBatch, forward_logprobs
-from megatron_cascade.training.policy import in_model_precision
+from megatron_cascade.training.policy import build_frozen_model
 
 
 class GRPOStage(RolloutStage):
@@ -24,10 +23,8 @@ class GRPOStage(RolloutStage):
         r = self.runner
         if not self.entry.kl_reference or r.stage.loss.kl_coef == 0:
             return None
-        model = in_model_precision(build_gpt_model(r.cfg.model, r.cfg.parallel), r.cfg.model).eval()
+        model = build_frozen_model(r.cfg.model, r.cfg.parallel)
         model.load_state_dict(r.policy.module.state_dict())
-        for param in model.parameters():
-            param.requires_grad_(False)
         return model
 
     def train_batch(self, chosen: GroupRound, sums: dict, timing: dict) -> TrainBatch:

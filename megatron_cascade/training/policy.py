@@ -60,6 +60,15 @@ def in_model_precision(model: torch.nn.Module, model_cfg: ModelConfig) -> torch.
     return _float16_module_class()(model.config, model)
 
 
+def build_frozen_model(model_cfg: ModelConfig, parallel: ParallelConfig) -> torch.nn.Module:
+    """A model for forward-only log-probs (teachers, the KL reference): at the policy's precision,
+    in eval mode, no parameter requiring a gradient. Its weights are the caller's to load."""
+    model = in_model_precision(build_gpt_model(model_cfg, parallel), model_cfg).eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
 @functools.cache
 def _float16_module_class() -> type:
     """Megatron's ``Float16Module`` returning outputs in the model dtype (built on first use, so that
