@@ -82,6 +82,22 @@ class RewardSpec:
 
 
 @dataclass
+class EnvironmentSpec:
+    """The environment episodes of a domain run in (megatron_cascade/environments): single_turn (one
+    response, today's rollouts) or a multi-turn one (tool calling, SWE) with its turn and token budgets."""
+
+    name: str = checked(bool, "must name an environment (single_turn | tool_calling | pkg.module:Class)",
+                        default="single_turn")
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    max_turns: int = ranged(8, ge=1)  # model turns per episode (single_turn: always 1)
+    # Tokens after the prompt (model turns and observations together); null = max_turns x rollout.max_new_tokens.
+    # Each turn samples at most rollout.max_new_tokens; the model's max_position_embeddings bounds it too.
+    max_episode_tokens: Optional[int] = ranged(None, ge=1, why="or null: max_turns x rollout.max_new_tokens")
+    # An environment step (a tool call, a test run) running longer ends its episode with score 0.
+    step_timeout_s: float = ranged(30.0, gt=0)
+
+
+@dataclass
 class RewardsConfig:
     """Run-level handling of reward failures (per-domain rewards live under ``domains.*.reward``)."""
 
@@ -100,6 +116,7 @@ class DomainConfig:
     eval: Optional[str] = None  # held-out JSONL, scored after every stage
     sft: Optional[str] = None  # JSONL with reference responses for sft stages; null = train
     reward: RewardSpec = field(default_factory=RewardSpec)
+    environment: EnvironmentSpec = field(default_factory=EnvironmentSpec)  # default single_turn
 
 
 @dataclass
