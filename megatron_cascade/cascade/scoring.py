@@ -6,6 +6,13 @@ rank runs the verifiers (code runs in the sandbox once, not once per TP rank) an
 ``score_responses`` scores a finished list; ``RolloutScorer`` scores each sample the moment
 generation finishes it (``generate(..., on_finished=scorer.on_finished)``), in a reward worker
 pool while decoding goes on, so that after generation only the stragglers are waited for.
+
+A domain with ``reward.reasoning_parser: think`` has its reward see only the answer after the
+reasoning (:mod:`megatron_cascade.rewards.reasoning`); reasoning that never closed scores 0 without
+a reward call and is counted (``RolloutScorer.reasoning_unfinished``). A group reward
+(:func:`megatron_cascade.rewards.registry.is_group_reward`, e.g. ``pairwise_judge``) is called once
+per prompt with all of its responses: as soon as the last one finishes when the scorer knows the
+group size, else in ``collect``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch.distributed as dist
 
 from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.rewards import build_reward, score_batch
+from megatron_cascade.rewards.reasoning import ReasoningParser, build_reasoning_parser
+from megatron_cascade.rewards.registry import is_group_reward, score_group
 from megatron_cascade.rewards.scoring import ScoringPool, finalize_flags
 from megatron_cascade.rollout import RolloutSample
 
@@ -37,6 +46,12 @@ def build_domain_rewards(domains: dict[str, DomainConfig], names) -> dict:
     return rewards
 
 
+def reasoning_parser(domain: DomainConfig) -> Optional[ReasoningParser]:
+    """The reasoning parser of ``domain`` (``reward.reasoning_parser``), or None."""
+    spec = domain.reward
+    return build_reasoning_parser(spec.reasoning_parser, spec.reasoning_markers)
+
+
 def _model_parallel_source() -> tuple[bool, object, int]:
     from megatron.core import parallel_state as ps
 
@@ -48,16 +63,21 @@ def _model_parallel_source() -> tuple[bool, object, int]:
 def score_responses(rewards: dict, domains: dict[str, DomainConfig], responses: list[str], rows: list[dict],
                     row_domains: list[str]) -> tuple[torch.Tensor, int, float]:
     """Scores [N] (float64, in [0, 1]), the number of reward errors, and seconds spent; collective
-    over the model-parallel group."""
+    over the model-parallel group. Unfinished reasoning scores 0 (not an error); a group reward is
+    called per response (a group of one)."""
     is_source, group, src = _model_parallel_source()
     out = torch.zeros(len(responses) + 1, dtype=torch.float64)
     start = time.perf_counter()
     if is_source:
         for domain in sorted(set(row_domains)):
+            parser = reasoning_parser(domains[domain])
+            parsed = [parser.parse(responses[i]) if parser else None for i, d in enumerate(row_domains) if d == domain]
             index = [i for i, d in enumerate(row_domains) if d == domain]
-            scores, errors = score_batch(rewards[domain], [responses[i] for i in index], [rows[i] for i in index],
-                                         timeout_s=domains[domain].reward.timeout_s)
-            out[index] = torch.tensor(scores, dtype=torch.float64)
+            answered = [k for k, p in enumerate(parsed) if p is None or p.finished]
+            scores, errors = score_batch(rewards[domain],
+                                         [parsed[k].answer if parsed[k] else responses[index[k]] for k in answered],
+                                         [rows[index[k]] for k in answered], timeout_s=domains[domain].reward.timeout_s)
+            out[[index[k] for k in answered]] = torch.tensor(scores, dtype=torch.float64)
             out[-1] += errors
             if errors:
                 log.warning("reward %s: %d of %d responses errored or timed out (scored 0)",
@@ -76,19 +96,32 @@ class RolloutScorer:
         tokenizer: decodes ``response_ids`` into the text the reward reads.
         prompt_rows, prompt_domains: per prompt index of the ``generate`` call, its data row and domain.
         max_workers: reward calls live at once (default ``os.cpu_count()``, as ``score_batch``).
+        group_size: responses per prompt (``samples_per_prompt``); when given, a group reward is
+            called as soon as a prompt's last response finishes, else in ``collect``.
 
     Only the model-parallel source rank scores (other ranks ignore ``on_finished``); ``collect``
     is collective over the model-parallel group (the source broadcasts). Use it as a context
     manager so that an exception during generation still ends the pool's dispatcher.
+
+    After ``collect``/``collect_flags``, ``reasoning_unfinished`` ([N] bool, every model-parallel
+    rank) flags the samples whose reasoning never closed (scored 0 by the reasoning parser).
     """
 
     def __init__(self, rewards: dict, domains: dict[str, DomainConfig], tokenizer, prompt_rows: Sequence[dict],
-                 prompt_domains: Sequence[str], *, max_workers: Optional[int] = None) -> None:
+                 prompt_domains: Sequence[str], *, max_workers: Optional[int] = None,
+                 group_size: Optional[int] = None) -> None:
         self.rewards, self.domains, self.tokenizer = rewards, domains, tokenizer
         self.prompt_rows, self.prompt_domains = list(prompt_rows), list(prompt_domains)
+        self.group_size = group_size
         self.is_source, self.group, self.src = _model_parallel_source()
         self.pool = ScoringPool(max_workers) if self.is_source else None
         self.tickets: dict[int, int] = {}  # sample index -> index in the pool's results
+        self.parsers = {d: reasoning_parser(domains[d]) for d in set(self.prompt_domains)}
+        self.unfinished: set[int] = set()  # sample indices whose reasoning never closed
+        self.waiting: dict[int, list[tuple[int, str]]] = {}  # group reward: prompt -> (sample, answer)
+        self.arrived: dict[int, int] = {}  # group reward: prompt -> samples seen (unfinished included)
+        self.group_tickets: dict[int, tuple[int, list[int]]] = {}  # prompt -> (pool index, sample indices)
+        self.reasoning_unfinished = torch.zeros(0, dtype=torch.bool)
 
     def __enter__(self) -> "RolloutScorer":
         return self
@@ -99,12 +132,49 @@ class RolloutScorer:
 
     def on_finished(self, sample_index: int, sample: RolloutSample) -> None:
         """Queue one finished sample for scoring (``generate``'s ``on_finished`` hook)."""
-        if self.pool is None or sample_index in self.tickets:
+        if self.pool is None or sample_index in self.tickets or sample_index in self.unfinished:
             return
-        domain = self.prompt_domains[sample.prompt_index]
+        prompt = sample.prompt_index
+        domain = self.prompt_domains[prompt]
+        answer = self._answer(domain, sample_index, sample)
+        if is_group_reward(self.rewards[domain]):
+            if any(sample_index == i for i, _ in self.waiting.get(prompt, ())):
+                return
+            self.arrived[prompt] = self.arrived.get(prompt, 0) + 1
+            if answer is not None:
+                self.waiting.setdefault(prompt, []).append((sample_index, answer))
+            if self.group_size is not None and self.arrived[prompt] >= self.group_size:
+                self._submit_group(prompt)
+            return
+        if answer is None:
+            return
         self.tickets[sample_index] = self.pool.submit(
-            self.rewards[domain], self.tokenizer.decode(sample.response_ids), self.prompt_rows[sample.prompt_index],
-            timeout_s=self.domains[domain].reward.timeout_s)
+            self.rewards[domain], answer, self.prompt_rows[prompt], timeout_s=self.domains[domain].reward.timeout_s)
+
+    def _answer(self, domain: str, sample_index: int, sample: RolloutSample) -> Optional[str]:
+        """The text the reward reads: the decoded response, or its answer after the reasoning; None
+        (and the sample marked unfinished) when the reasoning never closed."""
+        text = self.tokenizer.decode(sample.response_ids)
+        parser = self.parsers[domain]
+        if parser is None:
+            return text
+        parsed = parser.parse(text, opened_in_prompt=parser.prompt_opens(self.tokenizer, sample.prompt_ids))
+        if not parsed.finished:
+            self.unfinished.add(sample_index)
+        return parsed.answer if parsed.finished else None
+
+    def _submit_group(self, prompt: int) -> None:
+        """One call of the group reward with every finished answer of ``prompt`` (none left: no call)."""
+        if prompt in self.group_tickets:
+            return
+        members = self.waiting.pop(prompt, [])
+        if not members:
+            return
+        domain = self.prompt_domains[prompt]
+        call = _GroupCall(self.rewards[domain])
+        ticket = self.pool.submit(call, tuple(a for _, a in members), self.prompt_rows[prompt],
+                                  timeout_s=self.domains[domain].reward.timeout_s * len(members))
+        self.group_tickets[prompt] = (ticket, [i for i, _ in members])
 
     def collect(self, samples: Sequence[RolloutSample]) -> tuple[torch.Tensor, int, float]:
         """Scores [N] (float64, in [0, 1]) of ``samples`` (the ``generate`` result), the number of
@@ -118,24 +188,54 @@ class RolloutScorer:
         the same on every model-parallel rank) instead of the count."""
         start = time.perf_counter()
         n = len(samples)
-        out = torch.zeros(2 * n, dtype=torch.float64)  # scores, then error flags: one broadcast
+        out = torch.zeros(3 * n, dtype=torch.float64)  # scores, error flags, unfinished flags: one broadcast
         if self.pool is not None:
             for i, sample in enumerate(samples):
                 self.on_finished(i, sample)
-            raw = self.pool.results()
+            for prompt in list(self.waiting):  # group size unknown: every group goes out now
+                self._submit_group(prompt)
+            raw = self._raw_per_sample(self.pool.results())
             row_domains = [self.prompt_domains[s.prompt_index] for s in samples]
             for domain in sorted(set(row_domains)):
-                index = [i for i, d in enumerate(row_domains) if d == domain]
+                index = [i for i, d in enumerate(row_domains) if d == domain and i not in self.unfinished]
                 name = getattr(self.rewards[domain], "name", repr(self.rewards[domain]))
-                scores, errored = finalize_flags([raw[self.tickets[i]] for i in index], name)
+                scores, errored = finalize_flags([raw[i] for i in index], name)
                 out[index] = torch.tensor(scores, dtype=torch.float64)
                 out[[n + i for i in index]] = torch.tensor(errored, dtype=torch.float64)
                 if any(errored):
                     log.warning("reward %s: %d of %d responses errored or timed out (invalid samples)",
                                 self.domains[domain].reward.name, sum(errored), len(index))
+            out[[2 * n + i for i in sorted(self.unfinished)]] = 1.0
+            if self.unfinished:
+                log.info("reasoning parser: %d of %d responses never closed their reasoning (scored 0)",
+                         len(self.unfinished), n)
         if dist.get_world_size(self.group) > 1:
             dist.broadcast(out, src=self.src, group=self.group)
-        return out[:n], out[n:] > 0, time.perf_counter() - start
+        self.reasoning_unfinished = out[2 * n:] > 0
+        return out[:n], out[n:2 * n] > 0, time.perf_counter() - start
+
+    def _raw_per_sample(self, pool_raw: list) -> dict[int, object]:
+        """Per scored sample index its raw reward value (a group call's list spread over its members;
+        a failed or malformed group call is each member's error)."""
+        raw: dict[int, object] = {i: pool_raw[t] for i, t in self.tickets.items()}
+        for ticket, members in self.group_tickets.values():
+            value = pool_raw[ticket]
+            if not isinstance(value, BaseException) and (not isinstance(value, list) or len(value) != len(members)):
+                value = ValueError(f"group reward returned {type(value).__name__} "
+                                   f"(expected a list of {len(members)} scores)")
+            raw.update((i, value if isinstance(value, BaseException) else value[k]) for k, i in enumerate(members))
+        return raw
+
+
+class _GroupCall:
+    """A group reward as a :class:`ScoringPool` item: ``(answers tuple, row) -> list of raw values``."""
+
+    def __init__(self, reward) -> None:
+        self.reward = reward
+        self.name = getattr(reward, "name", repr(reward))
+
+    def __call__(self, answers: tuple, row: dict) -> list:
+        return score_group(self.reward, list(answers), row)
 
 
 class RewardErrorRateExceeded(RuntimeError):

@@ -72,6 +72,16 @@ class RolloutConfig:
                 f"{prefix}filter_uninformative_groups: true")
 
 
+class ReasoningParserName(Choice):
+    none = "none"  # the reward sees the whole response
+    think = "think"  # the reward sees only what follows the reasoning (reasoning_markers)
+
+
+def _two_markers(markers: Any) -> bool:
+    return (len(markers) == 2 and all(isinstance(m, str) and m for m in markers)
+            and markers[0] != markers[1])
+
+
 @dataclass
 class RewardSpec:
     """A reward from the registry (or a dotted path ``pkg.module:function``) and its keyword args."""
@@ -79,6 +89,11 @@ class RewardSpec:
     name: str = checked(bool, "must name a reward (registry name or pkg.module:function)", default="math")
     kwargs: Dict[str, Any] = field(default_factory=dict)
     timeout_s: float = ranged(30.0, gt=0)  # a call running longer scores 0 and is counted as an error
+    # think: the reward scores only the answer after the reasoning; reasoning that never closed scores 0
+    # (counted as unfinished, not as a reward error). megatron_cascade/rewards/reasoning.py
+    reasoning_parser: ReasoningParserName = ReasoningParserName.none
+    reasoning_markers: List[str] = checked(_two_markers, "must be [start, end]: two different non-empty strings",
+                                           default_factory=lambda: ["<think>", "</think>"])
 
 
 @dataclass

@@ -8,6 +8,11 @@ YAML specs such as ``{name: code, kwargs: {timeout_s: 5, partial: false}}`` via
 (:func:`megatron_cascade.rewards.scoring.score_batch`) then uses it, e.g. to run many
 programs on one sandbox pool or to send one HTTP request per batch.
 
+A *group reward* carries ``group_fn(responses, sample, **kwargs) -> list[float | BaseException]``:
+the rollout scorer calls it once per prompt with all G responses of that prompt (a pairwise judge
+compares them with each other), see :func:`is_group_reward` / :func:`score_group`; called with one
+response (``fn(response, sample)``) it scores a group of one.
+
 A reward marked with :func:`run_in_process` (every built-in verifier) is scored in a worker
 process that is killed at its deadline (:mod:`megatron_cascade.rewards.isolation`): CPU-bound
 parsing such as SymPy's can hold the GIL for minutes, and a thread cannot be stopped.
@@ -33,6 +38,7 @@ _BUILTIN_MODULES = {
     "structured_output": "megatron_cascade.rewards.structured",
     "multiple_choice": "megatron_cascade.rewards.multiple_choice",
     "reward_model": "megatron_cascade.rewards.reward_model",
+    "pairwise_judge": "megatron_cascade.rewards.pairwise_judge",
 }
 
 
@@ -81,12 +87,36 @@ class BoundReward:
         """Whether the underlying reward has a native batch implementation."""
         return getattr(self.fn, "batch_fn", None) is not None
 
+    @property
+    def has_group(self) -> bool:
+        """Whether the underlying reward scores a prompt's responses together (``group_fn``)."""
+        return getattr(self.fn, "group_fn", None) is not None
+
+    def group(self, responses: Sequence[str], sample: dict) -> list[float | BaseException]:
+        """Score all responses of one prompt together; per-item exceptions are returned, not raised."""
+        group_fn = getattr(self.fn, "group_fn", None)
+        if group_fn is None:
+            raise TypeError(f"reward {self.name!r} is not a group reward")
+        return group_fn(list(responses), sample, **self.kwargs)
+
     def batch(self, responses: Sequence[str], samples: Sequence[dict]) -> list[float | BaseException]:
         """Score many responses; per-item exceptions are returned, not raised."""
         batch_fn = getattr(self.fn, "batch_fn", None)
         if batch_fn is None:
             raise TypeError(f"reward {self.name!r} has no batch implementation")
         return batch_fn(responses, samples, **self.kwargs)
+
+
+def is_group_reward(reward: Callable[..., Any]) -> bool:
+    """Whether ``reward`` (a function or a :class:`BoundReward`) scores a prompt's group at once."""
+    return getattr(getattr(reward, "fn", reward), "group_fn", None) is not None
+
+
+def score_group(reward: Callable[..., Any], responses: Sequence[str], sample: dict) -> list[float | BaseException]:
+    """Call group reward ``reward`` on the responses of one prompt (its ``sample`` row)."""
+    if isinstance(reward, BoundReward):
+        return reward.group(responses, sample)
+    return reward.group_fn(list(responses), sample)
 
 
 def _import_dotted(path: str) -> RewardFn:
