@@ -16,6 +16,7 @@ model's layout (SP / CP / FP8) here, outside the loss (loss mask 0, ``padding_ma
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -27,6 +28,7 @@ from megatron_cascade.model.moe_aux_loss import aux_loss_weights
 from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_truncated_logprobs
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.losses import Loss, build_loss, check_needs
+from megatron_cascade.training.output_head import OUTPUT_HEADS, fused_logprob_head, split_head_output, use_fused_head
 
 # Metric sums the plug-in adds to every loss's own (all-reduced and finalised with them).
 POLICY_METRIC_KEYS = ("entropy_sum",)
@@ -44,6 +46,11 @@ class LossSpec:
         top_k, top_p: the sampler's truncation (``rollout.top_k`` / ``rollout.top_p``); log-probs and
             entropy are then those of the truncated, renormalised distribution the responses were
             sampled from (``ops/truncated_logprobs.py``). 0 / 1.0: no truncation.
+        output_head: where log-probs come from on the last pipeline stage. "fused": straight from the
+            hidden states (``training/output_head.py``: output layer, log-probs and entropy fused and
+            chunked over tokens; no [tokens, V/TP] logits or logits gradient is held). "logits": the
+            model's logits, then ``token_logprobs``. "auto" (default): fused unless the spec truncates
+            (top-k / top-p need whole logit rows) or the model cannot (``fused_head_blocker``).
     """
 
     kind: str
@@ -52,6 +59,7 @@ class LossSpec:
     vocab_size: Optional[int] = None
     top_k: int = 0
     top_p: float = 1.0
+    output_head: str = "auto"
     objective: Loss = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +68,11 @@ class LossSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+        if self.output_head not in OUTPUT_HEADS:
+            raise ValueError(f"output_head must be one of {OUTPUT_HEADS}, got {self.output_head!r}")
+        if self.output_head == "fused" and self.truncated:
+            raise ValueError(f"output_head='fused' cannot give top-k / top-p truncated log-probs (top_k={self.top_k}, "
+                             f"top_p={self.top_p}: rollout.top_k / rollout.top_p): use 'auto' or 'logits'")
 
     @property
     def truncated(self) -> bool:
@@ -148,7 +161,8 @@ def _prepared(micro: TrainBatch, model: torch.nn.Module) -> TrainBatch:
 
 
 def _run_model(model: torch.nn.Module, micro: TrainBatch) -> torch.Tensor:
-    """[S, b, V/TP] logits (last stage; hidden states before) of ``micro``; MoE layers get its padding mask."""
+    """[b, S, V/TP] logits (last stage; under the fused head [b, S, k] log-probs, ``training/output_head.py``;
+    [S, b, H] hidden states before) of ``micro``; MoE layers get its padding mask."""
     from megatron.core.utils import get_model_config
 
     kwargs = {}
@@ -170,6 +184,25 @@ def _stage_padding_mask(padding_mask: torch.Tensor, config) -> torch.Tensor:
     return padding_mask.chunk(tp, dim=1)[rank].contiguous()
 
 
+def _logprob_head(spec: LossSpec, model: torch.nn.Module, micro: TrainBatch, tp_group, with_entropy: bool):
+    """(context for the model call, fused): the fused log-prob head over ``model`` for ``micro`` where
+    ``spec.output_head`` and the model allow it (``training/output_head.py``), else a no-op."""
+    if not use_fused_head(spec.output_head, spec.truncated, model):
+        return nullcontext(), False
+    head = fused_logprob_head(model, micro.target_ids, temperature=spec.temperature, vocab_size=spec.vocab_size,
+                              tp_group=tp_group, with_entropy=with_entropy)
+    return head, True
+
+
+def _output_logprobs(output: torch.Tensor, micro: TrainBatch, spec: LossSpec, tp_group, fused: bool,
+                     with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[b, S] log-probs (and entropy) of ``micro.target_ids`` from the last stage's model output:
+    the fused head's [b, S, k], or [b, S, V/TP] logits."""
+    if fused:
+        return split_head_output(output, micro.target_ids)
+    return token_logprobs(output, micro.target_ids, spec, tp_group, with_entropy=with_entropy)
+
+
 def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Callable:
     """A Megatron ``forward_step_func`` over an iterator of ``TrainBatch`` micro-batches.
 
@@ -179,11 +212,12 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
 
     def forward_step(data_iterator, model):
         micro = _prepared(next(data_iterator), model)
-        with aux_loss_weights(aux_loss_row_weights(spec, micro, normalizer)):
-            logits = _run_model(model, micro)
+        head, fused = _logprob_head(spec, model, micro, tp_group, with_entropy=True)
+        with aux_loss_weights(aux_loss_row_weights(spec, micro, normalizer)), head:
+            output = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
-            logprobs, entropy = token_logprobs(output, micro.target_ids, spec, tp_group, with_entropy=True)
+            logprobs, entropy = _output_logprobs(output, micro, spec, tp_group, fused, with_entropy=True)
             loss, metrics = compute_loss(spec, logprobs, micro, normalizer)
             num_tokens = micro.loss_mask.bool().sum().to(torch.int)
             # Clones: Megatron may scale the returned loss in place.
@@ -193,7 +227,7 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
             reported["entropy_sum"] = masked_sum(entropy, micro.loss_mask)
             return loss, num_tokens, reported
 
-        return logits, loss_func
+        return output, loss_func
 
     return forward_step
 
@@ -204,13 +238,15 @@ def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
     def forward_step(data_iterator, model):
         original = next(data_iterator)
         micro = _prepared(original, model)
-        logits = _run_model(model, micro)
+        head, fused = _logprob_head(spec, model, micro, tp_group, with_entropy=False)
+        with head:
+            output = _run_model(model, micro)
 
         def loss_func(output: torch.Tensor):
-            logprobs, _ = token_logprobs(output, micro.target_ids, spec, tp_group)
+            logprobs, _ = _output_logprobs(output, micro, spec, tp_group, fused, with_entropy=False)
             sink.append(logprobs[:, : original.seq_length].detach().cpu())
             return torch.zeros((), device=output.device), {}
 
-        return logits, loss_func
+        return output, loss_func
 
     return forward_step
