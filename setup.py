@@ -19,6 +19,7 @@ setup(
         "tqdm>=4.0",
         "matplotlib>=3.7",
         "numpy",
+        "einops>=0.7",  # megatron-core's Mamba mixer (hybrid models)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],

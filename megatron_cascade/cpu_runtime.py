@@ -18,7 +18,9 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
   alltoall dispatcher passes);
 * the flash-attn paged-KV kernels of Megatron's dynamic inference attention get torch stand-ins
-  (``megatron_cascade/rollout/cpu_paged_attention.py``).
+  (``megatron_cascade/rollout/cpu_paged_attention.py``);
+* Mamba-2 layers (hybrid models) get pure-torch kernels for the ``mamba_ssm`` / ``causal_conv1d``
+  ones they call (``megatron_cascade/ops/mamba_reference.py``; see ``_patch_mamba``).
 
 It is a process-wide switch: call it once, before building models, in every worker process.
 On a machine with a GPU do not call it.
@@ -28,6 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import sys
+import types
 import warnings
 from typing import Any, Iterator
 
@@ -135,6 +140,7 @@ def _patch_megatron() -> None:
     _patch_grad_clipping()
     _patch_optimizer_type_checks()
     _patch_paged_attention()
+    _patch_mamba()
 
 
 def _patch_paged_attention() -> None:
@@ -143,6 +149,85 @@ def _patch_paged_attention() -> None:
     from megatron_cascade.rollout.cpu_paged_attention import install
 
     install()
+
+
+_TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+
+
+def _stub_triton_tensor_ops() -> None:
+    """``mamba_mixer`` imports Megatron's Triton tensor ops at module level (``import triton``), but
+    only its dynamic-batching inference path calls them: a stand-in module that refuses the call
+    lets the mixer import. Hybrid models generate through the static path on CPU (``rollout/``)."""
+    try:
+        importlib.import_module(_TRITON_TENSOR_OPS)
+        return
+    except ImportError:
+        pass
+
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError("Mamba layers under Megatron's dynamic (paged) inference context need "
+                                  "Triton; on CPU hybrid models generate through the static KV-cache path")
+
+    module = types.ModuleType(_TRITON_TENSOR_OPS)
+    for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+        setattr(module, name, unavailable)
+    sys.modules[_TRITON_TENSOR_OPS] = module
+
+
+def _sharded_gated_norm_class():
+    """``mamba_mixer.ExtendedRMSNorm`` on the torch gated norm: the weight sharded over TP on dim 0.
+    (The original class body is lost: without ``mamba_ssm`` it subclasses a ``MagicMock``.)"""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    from megatron_cascade.ops.mamba_reference import GatedRMSNorm
+
+    class ExtendedRMSNorm(GatedRMSNorm):
+        """Gated RMSNorm of a Mamba mixer, with a TP-sharded checkpoint entry (as megatron-core's)."""
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+                tp_group=tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+    return ExtendedRMSNorm
+
+
+def _patch_mamba() -> None:
+    """Make megatron-core's ``MambaMixer`` / ``MambaStack`` run without CUDA-only packages.
+
+    * ``mamba_ssm`` (Triton kernels, gated RMSNorm) and ``causal_conv1d`` do not build on CPU: the
+      mixer refuses to start without ``mamba_ssm`` (``HAVE_MAMBA_SSM``) and its norm class
+      subclasses a ``MagicMock``. The torch references of ``ops/mamba_reference.py`` take their
+      place (same arguments, autograd backward); decoding already has torch fallbacks in the mixer.
+    * Packed sequences in training: the mixer asks for ``causal_conv1d`` / ``mamba_ssm`` versions;
+      the references take ``seq_idx``, so training packing is allowed (inference keeps the check).
+    * ``MambaStack`` builds its final norm with ``TENorm`` unconditionally: a local norm instead
+      (``SequenceParallelNorm``: marks its weight for the SP gradient all-reduce).
+    """
+    _stub_triton_tensor_ops()
+    from megatron.core.ssm import mamba_block, mamba_mixer
+
+    from megatron_cascade.model.cpu_spec import SequenceParallelNorm
+    from megatron_cascade.ops import mamba_reference
+
+    mamba_block.TENorm = SequenceParallelNorm
+    if mamba_mixer.HAVE_MAMBA_SSM:
+        return  # the real kernels are importable (a CUDA build): nothing to replace
+    mamba_mixer.ExtendedRMSNorm = _sharded_gated_norm_class()
+    mamba_mixer.RMSNormGated = mamba_reference.GatedRMSNorm
+    mamba_mixer.mamba_chunk_scan_combined = mamba_reference.mamba_chunk_scan_combined
+    mamba_mixer.mamba_split_conv1d_scan_combined = mamba_reference.mamba_split_conv1d_scan_combined
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    check_packing = mamba_mixer._check_mamba_sequence_packing_support
+
+    def packing_support(for_inference_not_training: bool = True):
+        if not for_inference_not_training:
+            return True, None  # the torch scan and conv honour seq_idx
+        return check_packing(for_inference_not_training)
+
+    mamba_mixer._check_mamba_sequence_packing_support = packing_support
 
 
 @contextlib.contextmanager

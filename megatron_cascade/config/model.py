@@ -10,18 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_cascade.config.rules import Choice, ConfigError, ranged, require
+from megatron_cascade.config.rules import Choice, ConfigError, checked, ranged, require
 
 __all__ = [
-    "ConfigError", "PositionEmbedding", "Normalization", "Activation", "Precision", "Recompute",
+    "ConfigError", "Architecture", "HybridConfig", "validate_hybrid_layout", "PositionEmbedding", "Normalization", "Activation", "Precision", "Recompute",
     "RouterLoadBalancing", "RouterScoreFunction", "TokenDispatcher", "FP8Format", "FP8Recipe",
     "AmaxComputeAlgo", "MoEConfig", "FP8Config", "ModelConfig", "ParallelConfig",
 ]
 
 
+class Architecture(Choice):
+    gpt = "gpt"  # Megatron-Core GPTModel: every layer attention + MLP (dense or MoE)
+    hybrid = "hybrid"  # Megatron-Core MambaModel: a per-layer pattern of Mamba-2 / attention / MLP / MoE
+
+
 class PositionEmbedding(Choice):
     rope = "rope"
     learned_absolute = "learned_absolute"
+    none = "none"  # no position signal but the causal mixers' own (Nemotron-H: Mamba layers)
 
 
 class Normalization(Choice):
@@ -32,6 +38,7 @@ class Normalization(Choice):
 class Activation(Choice):
     swiglu = "swiglu"
     gelu = "gelu"
+    squared_relu = "squared_relu"  # relu(x)^2, not gated (Nemotron-H)
 
 
 class Precision(Choice):
@@ -99,6 +106,8 @@ class MoEConfig:
     # towards equal load after every step, from token counts over the whole global batch. Needs sigmoid.
     router_enable_expert_bias: bool = False
     router_bias_update_rate: float = ranged(1.0e-3, ge=0)
+    # Routed experts' weights are multiplied by this (DeepSeek-V3 / Nemotron-H "routed_scaling_factor"); null = 1.
+    router_topk_scaling_factor: Optional[float] = ranged(None, gt=0)
     token_dispatcher_type: TokenDispatcher = TokenDispatcher.alltoall
     grouped_gemm: bool = False  # GPU (TE) only
     layer_freq: int = ranged(1, ge=1)  # every k-th layer is MoE
@@ -129,10 +138,40 @@ class FP8Config:
     param_gather: bool = False  # keep FP8 weight copies (saves memory with the distributed optimizer)
 
 
+_HYBRID_SYMBOLS = "M*-E"
+
+
+@dataclass
+class HybridConfig:
+    """The hybrid (``model.architecture: hybrid``) model's layer pattern and Mamba-2 mixer settings.
+
+    ``layer_pattern`` has one symbol per layer: ``M`` Mamba-2, ``*`` attention, ``-`` dense MLP,
+    ``E`` MoE (Megatron-Core's ``hybrid_override_pattern``). Each layer is one of them with its own
+    pre-norm and residual (a Nemotron-H "block"), so an attention layer has no MLP of its own.
+    """
+
+    layer_pattern: Optional[str] = checked(
+        lambda p: len(p) > 0 and set(p) <= set(_HYBRID_SYMBOLS),
+        f"must be a non-empty string of the symbols {_HYBRID_SYMBOLS!r} "
+        "(M Mamba, * attention, - MLP, E MoE), one per layer")
+    mamba_num_heads: Optional[int] = ranged(None, ge=1)  # SSM heads; null = 2 * hidden_size / mamba_head_dim
+    mamba_head_dim: int = ranged(64, ge=1)  # channels per SSM head
+    mamba_state_dim: int = ranged(128, ge=1)  # SSM state size per head (d_state)
+    mamba_num_groups: int = ranged(8, ge=1)  # B/C groups shared by heads; bounds the TP size
+    mamba_conv_kernel: int = ranged(4, ge=2)  # causal depthwise conv width (tokens)
+    mamba_chunk_size: int = ranged(128, ge=1)  # SSD scan chunk (tokens): speed only, same result
+
+    def num_heads(self, hidden_size: int) -> int:
+        """SSM heads: ``mamba_num_heads``, else Megatron's default ``2 * hidden_size / mamba_head_dim``."""
+        return self.mamba_num_heads or 2 * hidden_size // self.mamba_head_dim
+
+
 @dataclass
 class ModelConfig:
-    """A GPTModel: dense or MoE, RoPE, GQA, SwiGLU, RMSNorm by default."""
+    """A GPTModel (dense or MoE; RoPE, GQA, SwiGLU, RMSNorm by default), or with
+    ``architecture: hybrid`` a Mamba-2 / attention / MoE MambaModel (``hybrid`` section)."""
 
+    architecture: Architecture = Architecture.gpt
     num_layers: int = ranged(2, ge=1)
     hidden_size: int = ranged(64, ge=1)
     ffn_hidden_size: Optional[int] = ranged(None, ge=1)  # null = 4 * hidden_size (dense MLP width)
@@ -162,6 +201,7 @@ class ModelConfig:
     recompute_num_layers: int = ranged(1, ge=1)
     moe: MoEConfig = field(default_factory=MoEConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -189,6 +229,59 @@ class ModelConfig:
                 f"{prefix}recompute=full cannot be combined with an MoE load-balancing loss "
                 f"({prefix}moe.router_load_balancing_type / aux_loss_coeff): use recompute=selective "
                 "or router_load_balancing_type=none")
+        if self.architecture == "hybrid":
+            self._validate_hybrid(prefix)
+        else:
+            require(self.hybrid.layer_pattern is None,
+                    f"{prefix}hybrid.layer_pattern is set but {prefix}architecture={self.architecture!r}: "
+                    f"set {prefix}architecture=hybrid or remove the pattern")
+
+    def _validate_hybrid(self, prefix: str) -> None:
+        """Rules of the hybrid architecture (layer pattern vs layers and experts, Mamba head layout)."""
+        hybrid, pattern = self.hybrid, self.hybrid.layer_pattern
+        require(pattern is not None, f"{prefix}architecture=hybrid needs {prefix}hybrid.layer_pattern "
+                "(one of M * - E per layer, e.g. 'M*ME')")
+        require(len(pattern) == self.num_layers, f"{prefix}hybrid.layer_pattern={pattern!r} has {len(pattern)} "
+                f"symbols but {prefix}num_layers={self.num_layers}: one symbol per layer")
+        has_moe = "E" in pattern
+        require(has_moe == (self.moe.num_experts is not None),
+                f"{prefix}hybrid.layer_pattern={pattern!r} " + ("has MoE layers (E) but "
+                f"{prefix}moe.num_experts is null" if has_moe else f"has no MoE layer (E) but "
+                f"{prefix}moe.num_experts={self.moe.num_experts}: add E layers or set num_experts to null"))
+        require(self.moe.layer_freq == 1, f"{prefix}moe.layer_freq={self.moe.layer_freq} has no meaning with "
+                f"{prefix}architecture=hybrid: the layer pattern places the MoE layers (E)")
+        # Megatron-Core's MambaStack has no whole-layer recompute (only the attention core's, selective).
+        require(self.recompute != "full", f"{prefix}recompute=full is not supported with {prefix}architecture="
+                "hybrid (Megatron-Core's MambaStack does not recompute layers): use none or selective")
+        require(self.fp8.format is None or "M" not in pattern or self._mamba_in_proj_width() % 16 == 0,
+                f"{prefix}fp8.format needs the Mamba in_proj width 2*heads*head_dim + 2*groups*state_dim + heads "
+                f"= {self._mamba_in_proj_width()} to be a multiple of 16 ({prefix}hybrid.*)")
+        heads = hybrid.num_heads(self.hidden_size)
+        require(heads >= 1, f"{prefix}hybrid.mamba_head_dim={hybrid.mamba_head_dim} is larger than "
+                f"2 * {prefix}hidden_size: set {prefix}hybrid.mamba_num_heads")
+        require(heads % hybrid.mamba_num_groups == 0, f"{prefix}hybrid.mamba_num_groups={hybrid.mamba_num_groups} "
+                f"does not divide the Mamba heads ({heads}, {prefix}hybrid.mamba_num_heads)")
+
+    def _mamba_in_proj_width(self) -> int:
+        h = self.hybrid
+        heads = h.num_heads(self.hidden_size)
+        return 2 * heads * h.mamba_head_dim + 2 * h.mamba_num_groups * h.mamba_state_dim + heads
+
+
+def validate_hybrid_layout(model: ModelConfig, tensor_parallel: int, context_parallel: int) -> None:
+    """Raise ``ConfigError`` when a hybrid model cannot be split ``tensor_parallel`` ways: every TP rank
+    needs whole Mamba groups and heads (so TP <= ``hybrid.mamba_num_groups``). A no-op for GPT models."""
+    if model.architecture != "hybrid" or "M" not in (model.hybrid.layer_pattern or ""):
+        return
+    groups = model.hybrid.mamba_num_groups
+    heads = model.hybrid.num_heads(model.hidden_size)
+    require(groups % tensor_parallel == 0, f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide "
+            f"model.hybrid.mamba_num_groups={groups} (each TP rank needs whole Mamba groups: TP <= groups)")
+    require(heads % tensor_parallel == 0, f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide "
+            f"the Mamba heads ({heads}, model.hybrid.mamba_num_heads)")
+    # Megatron-Core's Mamba context parallelism splits heads over CP ranks with TE-only attention around it.
+    require(context_parallel == 1, f"parallel.context_parallel_size={context_parallel} is not supported with "
+            "model.architecture=hybrid here (Mamba layers under CP are not tested)")
 
 
 @dataclass

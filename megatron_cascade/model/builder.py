@@ -1,11 +1,13 @@
-"""Build a Megatron-Core ``GPTModel`` (dense or MoE) from the ``model`` config section."""
+"""Build the Megatron-Core model of the ``model`` config section: a ``GPTModel`` (dense or MoE), or with
+``model.architecture: hybrid`` a ``MambaModel`` (Mamba-2 / attention / MLP / MoE layer pattern)."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig, validate_hybrid_layout
 from megatron_cascade.model.cpu_spec import local_decoder_block_spec
+from megatron_cascade.model.hybrid_spec import local_hybrid_stack_spec, te_hybrid_stack_spec
 from megatron_cascade.model.moe_aux_loss import with_global_normalized_routers
 from megatron_cascade.model.parallel import transformer_engine_available
 
@@ -54,6 +56,21 @@ def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig) -> Non
         )
 
 
+def _activation(model: ModelConfig):
+    """(activation function, gated) of ``model.activation``."""
+    from megatron.core.activations import squared_relu
+
+    return {"swiglu": (torch.nn.functional.silu, True), "gelu": (torch.nn.functional.gelu, False),
+            "squared_relu": (squared_relu, False)}[model.activation]
+
+
+def _hybrid_kwargs(model: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of the hybrid architecture's Mamba mixers."""
+    hybrid = model.hybrid
+    return dict(is_hybrid_model=True, mamba_state_dim=hybrid.mamba_state_dim, mamba_head_dim=hybrid.mamba_head_dim,
+                mamba_num_groups=hybrid.mamba_num_groups, mamba_num_heads=hybrid.num_heads(model.hidden_size))
+
+
 def params_dtype(model: ModelConfig) -> torch.dtype:
     """The parameter dtype of ``model.precision``."""
     return _PRECISIONS[model.precision]
@@ -65,9 +82,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
 
     validate_model_config(model)
     _validate_expert_layout(model, parallel)
+    validate_hybrid_layout(model, parallel.tensor_model_parallel_size, parallel.context_parallel_size)
     dtype = params_dtype(model)
     use_cpu = not torch.cuda.is_available()
     moe = model.moe
+    activation_func, gated = _activation(model)
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -77,8 +96,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         kv_channels=model.kv_channels,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.activation == "swiglu",
-        activation_func=torch.nn.functional.silu if model.activation == "swiglu" else torch.nn.functional.gelu,
+        gated_linear_unit=gated,
+        activation_func=activation_func,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -109,6 +128,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         # not on the config after the model exists.
         calculate_per_token_loss=True,
     )
+    if model.architecture == "hybrid":
+        kwargs.update(_hybrid_kwargs(model))
     if model.recompute != "none":
         kwargs.update(recompute_granularity=model.recompute)
         if model.recompute == "full":
@@ -128,6 +149,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
             moe_router_score_function=moe.router_score_function,
             moe_router_enable_expert_bias=moe.router_enable_expert_bias,
             moe_router_bias_update_rate=moe.router_bias_update_rate,
+            moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
             moe_router_dtype="fp32",
         )
     if model.fp8.format is not None:
@@ -157,7 +179,58 @@ def decoder_block_spec(config, normalization: str):
     return local_decoder_block_spec(config, normalization)
 
 
-def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+    """The model ``model.architecture`` names, for this rank's pipeline stage: ``GPTModel`` (gpt) or
+    ``MambaModel`` (hybrid). Both take the same forward arguments and return [batch, seq, vocab / TP]
+    logits, so training, generation and checkpoints treat them alike."""
+    if model.architecture == "hybrid":
+        return build_hybrid_model(model, parallel, vp_stage=vp_stage)
+    return _build_gpt(model, parallel, vp_stage=vp_stage)
+
+
+# Callers written before the hybrid architecture build through this name: it builds what the config names.
+build_gpt_model = build_model
+
+
+def hybrid_stack_spec(config, model: ModelConfig):
+    """The ``MambaStack`` spec: megatron-core's Transformer Engine ``mamba_stack_spec`` when TE and
+    CUDA are there, else the local one (``model/hybrid_spec.py``)."""
+    if transformer_engine_available():
+        return te_hybrid_stack_spec(config, model.hybrid)
+    return local_hybrid_stack_spec(config, model.hybrid)
+
+
+def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+    """A ``MambaModel`` with ``model.hybrid.layer_pattern`` for this rank's pipeline stage (Megatron
+    parallel state must be initialised; PP splits the layers evenly, no virtual pipeline).
+    The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP]."""
+    from megatron.core import parallel_state
+    from megatron.core.models.mamba import MambaModel
+
+    if vp_stage is not None:
+        raise ConfigError("model.architecture=hybrid does not support virtual pipeline parallelism "
+                          "(Megatron-Core's MambaStack)")
+    config = transformer_config(model, parallel)
+    mamba = MambaModel(
+        config=config,
+        mamba_stack_spec=hybrid_stack_spec(config, model),
+        vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        hybrid_override_pattern=model.hybrid.layer_pattern,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=int(model.rotary_base),
+    )
+    if not torch.cuda.is_available():
+        return mamba
+    return mamba.cuda(torch.cuda.current_device())
+
+
+def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
     """A ``GPTModel`` for this rank's pipeline stage (Megatron parallel state must be initialised).
 
     Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise;
