@@ -161,6 +161,16 @@ class RewardModelClient:
 
     def _chat_one(self, prompt: str, response: str, reference: str) -> float:
         content = self.judge_template.format(prompt=prompt, response=response, reference=reference)
+        return min(1.0, max(0.0, parse_judge_score(self.chat(content)) / self.max_score))
+
+    def chat(self, content: str) -> str:
+        """The judge's reply text to one user message ``content`` (``POST {url}/v1/chat/completions``,
+        temperature 0), with this client's deadline, size cap and retries.
+
+        Raises:
+            RuntimeError: retries exhausted; ValueError: a reply that is not a chat completion with
+            string content; see :func:`~megatron_cascade.rewards.http_transport.post_json` for the rest.
+        """
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "temperature": 0.0}
         reply = self._post("/v1/chat/completions", body)
@@ -168,7 +178,9 @@ class RewardModelClient:
             text = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError) as e:
             raise ValueError(f"malformed chat completion: {str(reply)[:200]}") from e
-        return min(1.0, max(0.0, parse_judge_score(text) / self.max_score))
+        if not isinstance(text, str):
+            raise ValueError(f"malformed chat completion: content is {type(text).__name__}, not a string")
+        return text
 
     # -- transport --------------------------------------------------------------------
     def _post(self, path: str, body: dict) -> Any:
