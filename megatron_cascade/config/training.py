@@ -105,3 +105,18 @@ class TrainingConfig:
     micro_batch_size: int = ranged(4, ge=1)  # sequences per micro-batch per data-parallel rank
     ppo_epochs: int = ranged(1, ge=1)  # 1 = strictly on-policy (one optimizer step per rollout batch)
     skip_nonfinite_steps: bool = True  # skip (and log) a step whose gradients hold NaN/inf
+    # Padding-free packing (training/packing.py): training, old-policy, teacher and reference passes pack
+    # the batch's sequences (each up to its last loss token) into rows of max_tokens_per_row tokens (THD),
+    # one row per micro-batch; losses and the global normaliser are those of the unpacked batch.
+    # Context parallelism (parallel.context_parallel_size > 1) packs whatever this says (the default budget
+    # unless sequence_packing sets one).
+    sequence_packing: bool = False
+    # Token budget of a packed row (a longer sequence gets a row of its own); null = micro_batch_size x
+    # the batch's longest sequence (what a padded micro-batch holds). Only with sequence_packing.
+    max_tokens_per_row: Optional[int] = ranged(None, ge=1)
+
+    def validate(self, prefix: str = "training.") -> None:
+        """Rules between the training fields (``ConfigError`` naming the keys)."""
+        require(self.max_tokens_per_row is None or self.sequence_packing,
+                f"{prefix}max_tokens_per_row={self.max_tokens_per_row} does nothing without "
+                f"{prefix}sequence_packing=true: set it, or max_tokens_per_row to null")

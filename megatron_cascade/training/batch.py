@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_cascade.training.packing import PackedLayout
 
 
 @dataclass
@@ -27,6 +30,9 @@ class TrainBatch:
         padding_mask: [B, S] bool, True where the position holds no token of the sequence (right
             padding, or positions added to fit the parallel layout). MoE routers leave these out of
             their load-balancing statistics and expert-bias counts; None = every position is a token.
+        packing: set on a packed row (``training/packing.py``, B = 1): where its sequences lie (THD
+            ``cu_seqlens``), this context-parallel rank's positions, and the sequences as rows of
+            the source batch, on which the loss is computed. None: one sequence per row.
     """
 
     input_ids: torch.Tensor
@@ -38,10 +44,11 @@ class TrainBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     padding_mask: Optional[torch.Tensor] = None
+    packing: Optional["PackedLayout"] = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
-        for f in fields(self):
+        for f in _tensor_fields(self):
             value = getattr(self, f.name)
             if value is None or f.name == "advantages":
                 continue
@@ -59,13 +66,29 @@ class TrainBatch:
     def seq_length(self) -> int:
         return self.input_ids.shape[1]
 
+    def position_ids(self) -> torch.Tensor:
+        """[B, S] int64 positions the model embeds and rotates: 0..S-1 per row, or, in a packed row,
+        positions restarting at 0 for every sequence (this context-parallel rank's share)."""
+        if self.packing is not None:
+            return self.packing.position_ids.unsqueeze(0)
+        ids = self.input_ids
+        return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+
+    @property
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` (qkv_format "thd", ``cu_seqlens``) of a packed row, for any
+        model that takes them (GPTModel, MambaModel); None for a batch of one sequence per row."""
+        return None if self.packing is None else self.packing.packed_seq_params()
+
     def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
         """The sub-batch of ``rows`` (a slice or an index tensor)."""
-        return replace(self, **{f.name: _take(getattr(self, f.name), rows) for f in fields(self)})
+        _refuse_packed(self, "select")
+        return replace(self, **{f.name: _take(getattr(self, f.name), rows) for f in _tensor_fields(self)})
 
     def to(self, device: torch.device) -> "TrainBatch":
         """The batch with every tensor on ``device`` (rollouts and data are built on the CPU)."""
-        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+        moved = replace(self, **{f.name: _move(getattr(self, f.name), device) for f in _tensor_fields(self)})
+        return moved if self.packing is None else replace(moved, packing=self.packing.to(device))
 
     def padded_to_multiple(self, multiple: int) -> "TrainBatch":
         """Append fully masked rows (no loss token, all padding) so that the batch size is a multiple
@@ -73,21 +96,24 @@ class TrainBatch:
         extra = -self.size % multiple
         if extra == 0:
             return self
+        _refuse_packed(self, "padded_to_multiple")
         batch = self.with_padding_mask()
-        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=0) for f in fields(batch)})
+        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=0) for f in _tensor_fields(batch)})
 
     def padded_sequences_to_multiple(self, multiple: int) -> "TrainBatch":
         """Append padding positions (loss mask 0, ``padding_mask`` True) so that the sequence length is
         a multiple of ``multiple`` (``model.builder.sequence_length_multiple``: SP / CP / FP8 layouts).
 
         Sequences are right-padded and attention is causal, so no real position sees the new ones:
-        the loss and its gradient are unchanged.
+        the loss and its gradient are unchanged. A packed row is returned as it is: it was laid out
+        for the layout when it was packed (``training/packing.py``; under context parallelism its
+        length is this rank's share, not a multiple of the whole layout's).
         """
         extra = -self.seq_length % multiple
-        if extra == 0:
+        if extra == 0 or self.packing is not None:
             return self
         batch = self.with_padding_mask()
-        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=1) for f in fields(batch)})
+        return replace(batch, **{f.name: _pad(batch, f.name, extra, dim=1) for f in _tensor_fields(batch)})
 
     def loss_rows_only(self) -> "TrainBatch":
         """The rows with at least one loss token, cut after the last position that carries loss.
@@ -111,7 +137,9 @@ class TrainBatch:
         """The first ``seq_length`` positions of every row ([B] advantages are kept whole)."""
         if seq_length >= self.seq_length:
             return self
-        return replace(self, **{f.name: _first_positions(getattr(self, f.name), seq_length) for f in fields(self)})
+        _refuse_packed(self, "truncated")
+        return replace(self, **{f.name: _first_positions(getattr(self, f.name), seq_length)
+                                for f in _tensor_fields(self)})
 
     def with_padding_mask(self) -> "TrainBatch":
         """The batch with ``padding_mask`` materialised (all False when it was None)."""
@@ -126,6 +154,17 @@ class TrainBatch:
             raise ValueError(f"batch of {self.size} rows does not split into micro-batches of {micro_batch_size}")
         for start in range(0, self.size, micro_batch_size):
             yield self.select(slice(start, start + micro_batch_size))
+
+
+def _tensor_fields(batch: TrainBatch) -> list:
+    """The dataclass fields of ``batch`` that hold tensors (all but ``packing``)."""
+    return [f for f in fields(batch) if f.name != "packing"]
+
+
+def _refuse_packed(batch: TrainBatch, what: str) -> None:
+    if batch.packing is not None:
+        raise ValueError(f"TrainBatch.{what} on a packed row: its sequences' boundaries would no longer match "
+                         "(select or cut the batch before packing it)")
 
 
 def _take(value: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:

@@ -6,7 +6,11 @@ import logging
 import torch
 import torch.distributed as dist
 
+from dataclasses import replace
+from typing import Optional
+
 from megatron_cascade.algorithms import finalize_metrics
+from megatron_cascade.config.rules import ConfigError
 from megatron_cascade.config.training import TrainingConfig
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.loss_plugin import (
@@ -17,6 +21,7 @@ from megatron_cascade.training.loss_plugin import (
     make_logprob_step,
     model_sequence_multiple,
 )
+from megatron_cascade.training.packing import default_row_budget, pack_batch
 from megatron_cascade.training.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -47,7 +52,8 @@ def _run_schedule(chunks: list, forward_step, micros: list[TrainBatch], forward_
         data_iterator=[iter(micros) for _ in chunks],
         model=chunks,
         num_microbatches=len(micros),
-        seq_length=micros[0].seq_length,
+        # The whole row under context parallelism: the schedule divides it by CP itself.
+        seq_length=micros[0].seq_length if micros[0].packing is None else micros[0].packing.row_length,
         micro_batch_size=micros[0].size,
         forward_only=forward_only,
     )
@@ -141,16 +147,81 @@ def _training_work(batch: TrainBatch, model: torch.nn.Module, micro_batch_size: 
     return work, -(-work.size // micros)
 
 
+def _context_parallel_size(model: torch.nn.Module) -> int:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model).context_parallel_size
+
+
+def packs(model: torch.nn.Module, sequence_packing: bool) -> bool:
+    """Whether passes of ``model`` run on packed rows (``training/packing.py``): when
+    ``training.sequence_packing`` asks for it, and always under context parallelism (the CP split
+    is per sequence)."""
+    return sequence_packing or _context_parallel_size(model) > 1
+
+
+def _check_packable(model: torch.nn.Module) -> None:
+    """Refuse the MoE setting packing would change silently (``ConfigError`` naming the keys)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    if config.num_moe_experts and config.moe_router_load_balancing_type == "seq_aux_loss" and config.moe_aux_loss_coeff:
+        raise ConfigError("training.sequence_packing (or parallel.context_parallel_size > 1) with "
+                          "model.moe.router_load_balancing_type=seq_aux_loss: the router would take a packed row "
+                          "for one sequence; use aux_loss or none, or turn packing off")
+
+
+def packed_micro_batches(batch: TrainBatch, chunks: list, micro_batch_size: int,
+                         max_tokens_per_row: Optional[int]) -> list[TrainBatch]:
+    """``batch`` packed into rows for ``chunks``' layout (``training/packing.py``), one [1, T / CP]
+    micro-batch per row for this CP rank: sequences padded to 2 x CP, rows to the layout's sequence
+    multiple, every row as long as the longest under pipeline parallelism (one activation shape)."""
+    ps = _parallel_state()
+    _check_packable(chunks[0])
+    cp = _context_parallel_size(chunks[0])
+    budget = max_tokens_per_row or default_row_budget(batch, micro_batch_size)
+    _, rows = pack_batch(batch, max_tokens_per_row=budget, sequence_multiple=2 * cp if cp > 1 else 1,
+                         row_multiple=model_sequence_multiple(chunks[0]),
+                         equal_rows=ps.get_pipeline_model_parallel_world_size() > 1,
+                         cp_size=cp, cp_rank=ps.get_context_parallel_rank() if cp > 1 else 0)
+    return rows
+
+
+def _without_loss(row: TrainBatch) -> TrainBatch:
+    """A packed row that runs like ``row`` but carries no loss (a lockstep dummy micro-batch)."""
+    seqs = row.packing.sequences
+    quiet = replace(seqs, loss_mask=torch.zeros_like(seqs.loss_mask))
+    return replace(row, loss_mask=torch.zeros_like(row.loss_mask), packing=replace(row.packing, sequences=quiet))
+
+
+def _in_lockstep(rows: list[TrainBatch], model: torch.nn.Module) -> list[TrainBatch]:
+    """``rows`` plus loss-free copies of its first row up to the largest row count of any
+    data-parallel replica, for an MoE whose experts span replicas (``expert_lockstep_needed``)."""
+    if not expert_lockstep_needed(model):
+        return rows
+    return rows + [_without_loss(rows[0])] * (lockstep_count(len(rows)) - len(rows))
+
+
+def _training_micro_batches(policy: Policy, batch: TrainBatch, training: TrainingConfig) -> list[TrainBatch]:
+    """The micro-batches the training forward/backward runs: packed rows (``packs``), or the rows
+    of ``_training_work`` padded for the layout."""
+    if packs(policy.chunks[0], training.sequence_packing):
+        rows = packed_micro_batches(batch, policy.chunks, training.micro_batch_size, training.max_tokens_per_row)
+        return _in_lockstep(rows, policy.chunks[0])
+    work, micro_rows = _training_work(batch, policy.chunks[0], training.micro_batch_size)
+    return list(_schedulable(work, policy.chunks, micro_rows).micro_batches(micro_rows))
+
+
 def compute_gradients(policy: Policy, batch: TrainBatch, spec: LossSpec, training: TrainingConfig) -> dict:
     """Forward+backward of the global loss; leaves the finalised (DP-reduced) gradient in the
     policy's grad buffers. Collective over all ranks; returns global loss metrics (same on all ranks).
+
+    With ``training.sequence_packing`` or context parallelism the sequences run packed
+    (``training/packing.py``, ``training/context_parallel.py``); the loss, normaliser and metrics
+    are those of the unpacked batch.
     """
-    if policy.parallel.context_parallel_size > 1:
-        raise NotImplementedError("parallel.context_parallel_size > 1: splitting sequences over CP ranks "
-                                  "is not implemented in the training step")
     normalizer = global_normalizer(spec, batch)  # of the whole batch, before loss-free rows are dropped
-    work, micro_rows = _training_work(batch, policy.chunks[0], training.micro_batch_size)
-    micros = list(_schedulable(work, policy.chunks, micro_rows).micro_batches(micro_rows))
+    micros = _training_micro_batches(policy, batch, training)
     _zero_grads(policy)
     for chunk in policy.chunks:
         chunk.train()
@@ -213,7 +284,9 @@ def optimize_on_batch(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     ``old_logprobs`` (the PPO ratio's denominator). Returns the last step's metrics.
     """
     if training.ppo_epochs > 1 and batch.old_logprobs is None:
-        batch.old_logprobs = forward_logprobs(policy.chunks, batch, spec, training.micro_batch_size)
+        batch.old_logprobs = forward_logprobs(policy.chunks, batch, spec, training.micro_batch_size,
+                                              sequence_packing=training.sequence_packing,
+                                              max_tokens_per_row=training.max_tokens_per_row)
     metrics: dict = {}
     for _ in range(training.ppo_epochs):
         metrics = train_step(policy, batch, spec, training)
@@ -257,8 +330,48 @@ def _with_rows(batch: TrainBatch, rows: int) -> TrainBatch:
     return batch.padded_to_multiple(rows) if rows > batch.size else batch
 
 
+def _run_forward_only(chunks: list, forward_step, micros: list[TrainBatch]) -> None:
+    """The forward-only schedule over ``micros`` with ``chunks`` in eval mode (modes restored)."""
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        _run_schedule(chunks, forward_step, micros, True)
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+
+
+def _from_last_stage(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as the last pipeline stage holds it, on every stage (a broadcast under PP)."""
+    ps = _parallel_state()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return out
+
+
+def _packed_forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int,
+                             max_tokens_per_row: Optional[int]) -> torch.Tensor:
+    """``forward_logprobs`` on packed rows: each row's [n, L] log-probs written back to its
+    sequences' rows of a [B, S] result (0 after each sequence's last loss position)."""
+    rows = packed_micro_batches(batch, chunks, micro_batch_size, max_tokens_per_row) if batch.size else []
+    count = lockstep_count(len(rows)) if expert_lockstep_needed(chunks[0]) else len(rows)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    if count == 0:
+        return out
+    if not rows:  # this replica has nothing to run: dummy rows keep it in step with the others
+        rows = packed_micro_batches(_with_rows(batch, 1), chunks, micro_batch_size, max_tokens_per_row)
+    micros = rows + [rows[0]] * (count - len(rows))
+    sink: list[torch.Tensor] = []
+    _run_forward_only(chunks, make_logprob_step(spec, _tp_group(), sink), micros)
+    for row, values in zip(rows if batch.size else [], sink):
+        out[row.packing.source_rows, : values.shape[1]] = values
+    return _from_last_stage(out)
+
+
 @torch.no_grad()
-def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int) -> torch.Tensor:
+def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int, *,
+                     sequence_packing: bool = False, max_tokens_per_row: Optional[int] = None) -> torch.Tensor:
     """[B, S] log-probs of ``batch.target_ids`` under the model in ``chunks`` (forward only).
 
     Works for the policy and for frozen models (teachers, references); the result is broadcast from
@@ -266,26 +379,20 @@ def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batc
     for an MoE whose experts span data-parallel ranks (``expert_lockstep_needed``), over the
     data-parallel group: every replica then runs the largest micro-batch count of any (its own
     rows padded, no loss), as the MoE all-to-all needs. ``B`` may be 0 (dummy forwards only).
+
+    ``sequence_packing`` / ``max_tokens_per_row`` (``training.*``): run packed rows (always under
+    context parallelism); positions after a row's last loss token then come back as 0.
     """
-    ps = _parallel_state()
+    if packs(chunks[0], sequence_packing):
+        return _packed_forward_logprobs(chunks, batch, spec, micro_batch_size,
+                                        max_tokens_per_row if sequence_packing else None)
     micros = -(-batch.size // micro_batch_size)
     if expert_lockstep_needed(chunks[0]):
         micros = lockstep_count(micros)
     if micros == 0:
         return torch.empty(batch.input_ids.shape, dtype=torch.float32)
-    modes = [chunk.training for chunk in chunks]
-    for chunk in chunks:
-        chunk.eval()
     padded = _schedulable(_with_rows(batch, micros * micro_batch_size), chunks, micro_batch_size)
     sink: list[torch.Tensor] = []
-    try:
-        _run_schedule(chunks, make_logprob_step(spec, _tp_group(), sink), list(padded.micro_batches(micro_batch_size)),
-                      True)
-    finally:
-        for chunk, mode in zip(chunks, modes):
-            chunk.train(mode)
+    _run_forward_only(chunks, make_logprob_step(spec, _tp_group(), sink), list(padded.micro_batches(micro_batch_size)))
     out = torch.cat(sink) if sink else torch.empty(padded.input_ids.shape, dtype=torch.float32)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        last = ps.get_pipeline_model_parallel_last_rank()
-        dist.broadcast(out, src=last, group=ps.get_pipeline_model_parallel_group())
-    return out[: batch.size, : batch.seq_length]
+    return _from_last_stage(out)[: batch.size, : batch.seq_length]
