@@ -28,6 +28,7 @@ from megatron_cascade.model.moe_aux_loss import aux_loss_weights
 from megatron_cascade.ops import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_truncated_logprobs
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.losses import Loss, build_loss, check_needs
+from megatron_cascade.training.packing import unpacked_outputs
 from megatron_cascade.training.output_head import OUTPUT_HEADS, fused_logprob_head, split_head_output, use_fused_head
 
 # Metric sums the plug-in adds to every loss's own (all-reduced and finalised with them).
@@ -93,8 +94,15 @@ def local_normalizer_count(spec: LossSpec, batch: TrainBatch) -> torch.Tensor:
 
 
 def tempered(logits: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """``logits / temperature`` (the logits themselves at temperature 1)."""
-    return logits / spec.temperature if spec.temperature != 1.0 else logits
+    """``logits / temperature`` (the logits themselves at temperature 1), divided in float32 as the
+    sampler divides (``rollout/sampling.py``): 16-bit logits divided in their own dtype are rounded to
+    8 (bf16) or 11 (fp16) bits after the division, log-prob errors of ~1e-2 at T=0.7. One float32 copy
+    of the logits where the 16-bit quotient was one 16-bit copy; the fused head avoids both."""
+    if spec.temperature == 1.0:
+        return logits
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        return logits.float().div_(spec.temperature)  # .float() made a copy: dividing it in place is safe
+    return logits / spec.temperature
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, spec: LossSpec, tp_group, *,
@@ -162,14 +170,17 @@ def _prepared(micro: TrainBatch, model: torch.nn.Module) -> TrainBatch:
 
 def _run_model(model: torch.nn.Module, micro: TrainBatch) -> torch.Tensor:
     """[b, S, V/TP] logits (last stage; under the fused head [b, S, k] log-probs, ``training/output_head.py``;
-    [S, b, H] hidden states before) of ``micro``; MoE layers get its padding mask."""
+    [S, b, H] hidden states before) of ``micro``; MoE layers get its padding mask, a packed row its
+    ``packed_seq_params`` (THD) and per-sequence positions (``training/packing.py``)."""
     from megatron.core.utils import get_model_config
 
     kwargs = {}
     config = get_model_config(model)
     if config.num_moe_experts and micro.padding_mask is not None:
         kwargs["padding_mask"] = _stage_padding_mask(micro.padding_mask, config)
-    return model(micro.input_ids, position_ids(micro.input_ids), None, **kwargs)
+    if micro.packing is not None:
+        kwargs["packed_seq_params"] = micro.packed_seq_params
+    return model(micro.input_ids, micro.position_ids(), None, **kwargs)
 
 
 def _stage_padding_mask(padding_mask: torch.Tensor, config) -> torch.Tensor:
@@ -218,13 +229,15 @@ def make_forward_step(spec: LossSpec, normalizer: torch.Tensor, tp_group) -> Cal
 
         def loss_func(output: torch.Tensor):
             logprobs, entropy = _output_logprobs(output, micro, spec, tp_group, fused, with_entropy=True)
-            loss, metrics = compute_loss(spec, logprobs, micro, normalizer)
-            num_tokens = micro.loss_mask.bool().sum().to(torch.int)
+            # A packed row's loss is computed on its sequences as rows (training/packing.py).
+            logprobs, entropy, seqs = unpacked_outputs(logprobs, entropy, micro)
+            loss, metrics = compute_loss(spec, logprobs, seqs, normalizer)
+            num_tokens = seqs.loss_mask.bool().sum().to(torch.int)
             # Clones: Megatron may scale the returned loss in place.
             reported = {k: v.detach().clone() for k, v in metrics.items()}
             reported["loss"] = loss.detach().clone()
             # Policy entropy over loss tokens (``entropy_mean`` after finalising).
-            reported["entropy_sum"] = masked_sum(entropy, micro.loss_mask)
+            reported["entropy_sum"] = masked_sum(entropy, seqs.loss_mask)
             return loss, num_tokens, reported
 
         return output, loss_func
@@ -244,7 +257,10 @@ def make_logprob_step(spec: LossSpec, tp_group, sink: list) -> Callable:
 
         def loss_func(output: torch.Tensor):
             logprobs, _ = _output_logprobs(output, micro, spec, tp_group, fused, with_entropy=False)
-            sink.append(logprobs[:, : original.seq_length].detach().cpu())
+            logprobs, _, _ = unpacked_outputs(logprobs, None, micro)  # a packed row: [n, L] of its sequences
+            if micro.packing is None:
+                logprobs = logprobs[:, : original.seq_length]
+            sink.append(logprobs.detach().cpu())
             return torch.zeros((), device=output.device), {}
 
         return output, loss_func

@@ -121,4 +121,20 @@ def test_fused_head_equals_logits_path_in_bf16_with_the_distributed_optimizer():
     """bf16 (Float16Module, fp32 main_grad): the fused op rounds logits and their gradient to bf16
     where the output layer does, but sums its weight gradient over chunks in fp32 (one chunk here)."""
     parallel = ParallelConfig(use_distributed_optimizer=True)
-    _assert_heads_agree(run_distributed(_both_heads_worker, 2, BF16, parallel, 2, "grpo"), tol=1e-2)
+    _assert_heads_agree(run_distributed(_both_heads_worker, 2, BF16, parallel, 2, "grpo"))
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_logits_path_divides_16_bit_logits_by_the_temperature_in_float32(truncated):
+    """The sampler upcasts the logits, then divides by T (``rollout/sampling.py``); bf16 logits divided
+    in bf16 are rounded to 8 bits after the division (log-prob errors ~1e-3 at T=0.7)."""
+    from megatron_cascade.training.loss_plugin import LossSpec, token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 50, 128, generator=gen) * 4).bfloat16()
+    targets = torch.randint(0, VOCAB, (3, 50), generator=gen)
+    spec = LossSpec("sft", LossConfig(), temperature=0.7, vocab_size=VOCAB, top_k=128 if truncated else 0)
+    logprobs, entropy = token_logprobs(logits, targets, spec, None, with_entropy=True)
+    ref = torch.log_softmax(logits[..., :VOCAB].double() / 0.7, dim=-1)
+    torch.testing.assert_close(logprobs.double(), ref.gather(-1, targets[..., None])[..., 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), -(ref.exp() * ref).sum(-1), atol=1e-4, rtol=0)
