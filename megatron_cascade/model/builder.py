@@ -56,12 +56,20 @@ def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig) -> Non
         )
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, elementwise (the same values as ``megatron.core.activations.squared_relu``)."""
+    return torch.square(torch.nn.functional.relu(x))
+
+
 def _activation(model: ModelConfig):
     """(activation function, gated) of ``model.activation``."""
-    from megatron.core.activations import squared_relu
-
+    relu2 = squared_relu
+    if torch.cuda.is_available():
+        # Megatron's is wrapped in torch.compile: a fused kernel on GPU, but on CPU an inductor
+        # compile (C++ build) in every process and for every new shape, for one elementwise op.
+        from megatron.core.activations import squared_relu as relu2
     return {"swiglu": (torch.nn.functional.silu, True), "gelu": (torch.nn.functional.gelu, False),
-            "squared_relu": (squared_relu, False)}[model.activation]
+            "squared_relu": (relu2, False)}[model.activation]
 
 
 def _hybrid_kwargs(model: ModelConfig) -> dict:
@@ -205,13 +213,14 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
     parallel state must be initialised; PP splits the layers evenly, no virtual pipeline).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP]."""
     from megatron.core import parallel_state
-    from megatron.core.models.mamba import MambaModel
+
+    from megatron_cascade.model.hybrid_model import hybrid_model_class
 
     if vp_stage is not None:
         raise ConfigError("model.architecture=hybrid does not support virtual pipeline parallelism "
                           "(Megatron-Core's MambaStack)")
     config = transformer_config(model, parallel)
-    mamba = MambaModel(
+    mamba = hybrid_model_class()(
         config=config,
         mamba_stack_spec=hybrid_stack_spec(config, model),
         vocab_size=model.padded_vocab_size,
