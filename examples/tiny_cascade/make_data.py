@@ -31,18 +31,29 @@ import random
 from pathlib import Path
 
 DOMAINS = ("math", "instruction_following", "code")
-EVAL_ROWS = {"math": 48, "instruction_following": 20, "code": 32}
+EVAL_ROWS = {"math": 64, "instruction_following": 64, "code": 48}
+# Fraction of SFT rows that show the right behaviour; the rest show the domain's habit (below).
+SFT_FOLLOWS = 0.3
 
 WORDS = ("cat", "dog", "sun", "red", "box", "cup", "hat", "pen", "map", "egg", "fox", "owl", "bee",
          "ant", "car", "bus", "key", "toy", "jam", "ice", "sky", "sea", "tea", "pie", "bag", "bed",
          "fan", "net", "pot", "rug", "cow", "pig", "hen", "bat", "elk", "yak", "gum", "ink", "oak", "web")
 
 
-def math_items(rng: random.Random) -> list[dict]:
+# Each item is (prompt, right response, habitual response, reward fields). The SFT teacher has a habit:
+# it gives the right response to SFT_FOLLOWS of its rows and the habitual mistake to the others, so
+# the SFT policy knows both behaviours and picks the right one about a third of the time on any prompt
+# (pass@1 low, pass@8 high). The choice does not depend on the prompt, so what RL learns on its
+# prompts (drop the habit) carries over to held-out prompts of the same task.
+
+def math_items(rng: random.Random) -> list[tuple]:
+    """Two-digit + one-digit additions that carry ("47+5=" -> "52"); the habit forgets the carry ("42")."""
     rows = []
-    for a in range(30):
-        for b in range(30):
-            rows.append({"prompt": f"{a}+{b}=", "response": str(a + b), "answer": str(a + b)})
+    for tens in range(1, 9):
+        for unit in range(1, 10):
+            for b in range(10 - unit, 10):
+                a = 10 * tens + unit
+                rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
     return rows
 
 
@@ -50,26 +61,21 @@ def _kw(word: str) -> dict:
     return {"id": "keywords:existence", "kwargs": {"keywords": [word]}}
 
 
-# Instruction following draws on a few words only: copying an arbitrary word is beyond a tiny model
-# in minutes, but following an instruction it has not seen with that word (a held-out word x format
-# pair) is a choice it can learn, and that is what the RL stage should improve.
-IF_WORDS = WORDS[:12]
-
-
-def if_items(rng: random.Random) -> list[dict]:
+def if_items(rng: random.Random) -> list[tuple]:
+    """A word in one of five formats ("say cat in caps" -> "CAT"); the habit ignores the format ("cat")."""
     rows = []
-    for w in IF_WORDS:
-        rows.append({"prompt": f"say {w} in caps", "response": w.upper(),
-                     "instructions": [{"id": "change_case:english_capital", "kwargs": {}}, _kw(w)]})
-        rows.append({"prompt": f"say {w} and end with ok", "response": f"{w} ok",
-                     "instructions": [_kw(w), {"id": "startend:end_checker", "kwargs": {"end_phrase": "ok"}}]})
-        rows.append({"prompt": f"say {w} in quotes", "response": f'"{w}"',
-                     "instructions": [{"id": "startend:quotation", "kwargs": {}}, _kw(w)]})
+    for w in WORDS:
+        rows.append((f"say {w} in caps", w.upper(), w,
+                     {"instructions": [{"id": "change_case:english_capital", "kwargs": {}}, _kw(w)]}))
+        rows.append((f"say {w} and end with ok", f"{w} ok", w,
+                     {"instructions": [_kw(w), {"id": "startend:end_checker", "kwargs": {"end_phrase": "ok"}}]}))
+        rows.append((f"say {w} in quotes", f'"{w}"', w,
+                     {"instructions": [{"id": "startend:quotation", "kwargs": {}}, _kw(w)]}))
         for k in (2, 3):
-            rows.append({"prompt": f"say {w} {k} times", "response": " ".join([w] * k),
-                         "instructions": [{"id": "keywords:frequency",
-                                           "kwargs": {"keyword": w, "frequency": k, "relation": "at least"}},
-                                          {"id": "punctuation:no_comma", "kwargs": {}}]})
+            rows.append((f"say {w} {k} times", " ".join([w] * k), w,
+                         {"instructions": [{"id": "keywords:frequency",
+                                            "kwargs": {"keyword": w, "frequency": k, "relation": "at least"}},
+                                           {"id": "punctuation:no_comma", "kwargs": {}}]}))
     return rows
 
 
@@ -77,51 +83,46 @@ def _program(body: str) -> str:
     return f"```python\n{body}\n```"
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 6)))
-
-
-def code_items(rng: random.Random) -> list[dict]:
-    families = []  # (prompt, program, stdin -> stdout, input kind)
-    for k in range(1, 41):
-        families.append((f"add {k} to n", f"print(int(input())+{k})", lambda x, k=k: str(int(x) + k), "int"))
-    for k in range(1, 31):
-        families.append((f"subtract {k} from n", f"print(int(input())-{k})", lambda x, k=k: str(int(x) - k), "int"))
-    for k in range(2, 21):
-        families.append((f"multiply n by {k}", f"print(int(input())*{k})", lambda x, k=k: str(int(x) * k), "int"))
-    for k in range(2, 10):
-        families.append((f"print s {k} times", f"print(input()*{k})", lambda x, k=k: x * k, "str"))
-    families.append(("reverse s", "print(input()[::-1])", lambda x: x[::-1], "str"))
-    families.append(("print s in caps", "print(input().upper())", lambda x: x.upper(), "str"))
-    families.append(("print the length of s", "print(len(input()))", lambda x: str(len(x)), "str"))
+def code_items(rng: random.Random) -> list[tuple]:
+    """stdin -> stdout arithmetic on n ("add 7 to n" -> print(int(input())+7)); the habit forgets the
+    int() (a TypeError, or the string repeated)."""
+    families = []  # (prompt, operator, k)
+    families += [(f"add {k} to n", "+", k) for k in range(1, 61)]
+    families += [(f"subtract {k} from n", "-", k) for k in range(1, 61)]
+    families += [(f"multiply n by {k}", "*", k) for k in range(2, 31)]
+    apply = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k}
     rows = []
-    for prompt, body, fn, kind in families:
-        inputs = [str(rng.randint(0, 99)) if kind == "int" else _word(rng) for _ in range(2)]
-        rows.append({"prompt": prompt, "response": _program(body),
-                     "tests": [{"input": x + "\n", "output": fn(x) + "\n"} for x in inputs]})
+    for prompt, op, k in families:
+        inputs = [rng.randint(0, 99) for _ in range(2)]
+        tests = [{"input": f"{x}\n", "output": f"{apply[op](x, k)}\n"} for x in inputs]
+        rows.append((prompt, _program(f"print(int(input()){op}{k})"), _program(f"print(input(){op}{k})"),
+                     {"tests": tests}))
     return rows
 
 
 BUILDERS = {"math": math_items, "instruction_following": if_items, "code": code_items}
 
 
+def _row(domain: str, item: tuple, habit: bool = False) -> dict:
+    prompt, right, habitual, fields = item
+    row = {"domain": domain, "prompt": prompt, "response": habitual if habit else right, **fields}
+    if habit:
+        row["habit"] = True  # the SFT target is the habitual mistake (scores 0)
+    return row
+
+
 def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint."""
+    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint; SFT rows show the habit
+    with probability 1 - SFT_FOLLOWS, RL and eval rows carry the right response."""
     rng = random.Random(f"{seed}:{domain}")
-    items = [{"domain": domain, **row} for row in BUILDERS[domain](rng)]
+    items = BUILDERS[domain](rng)
     order = list(range(len(items)))
     rng.shuffle(order)
     n_eval = EVAL_ROWS[domain]
-    # code: the three fixed string families (the last items) always stay in train.
-    eligible = [i for i in order if domain != "code" or i < len(items) - 3]
-    eval_idx = eligible[:n_eval]
-    chosen = set(eval_idx)
-    rest = [i for i in order if i not in chosen]
-    # code: the fixed string families (always outside eval) go to SFT, the rest alternate.
-    fixed = {len(items) - 3, len(items) - 2, len(items) - 1} if domain == "code" else set()
-    sft = [items[i] for k, i in enumerate(rest) if i in fixed or (k % 2 == 0 and i not in fixed)]
-    train = [items[i] for k, i in enumerate(rest) if i not in fixed and k % 2 == 1]
-    evals = [items[i] for i in eval_idx]
+    eval_idx, rest = order[:n_eval], order[n_eval:]
+    sft = [_row(domain, items[i], habit=rng.random() >= SFT_FOLLOWS) for i in rest[0::2]]
+    train = [_row(domain, items[i]) for i in rest[1::2]]
+    evals = [_row(domain, items[i]) for i in eval_idx]
     return sft, train, evals
 
 

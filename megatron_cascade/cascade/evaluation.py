@@ -1,8 +1,11 @@
-"""Held-out evaluation: every domain's eval set, greedy (or sampled) pass@1 with its verifier."""
+"""Held-out evaluation: every domain's eval set, greedy (or sampled) pass@1 with its verifier, its
+standard error over prompts and pass@k (k = ``eval.samples``)."""
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,11 +25,60 @@ def data_parallel() -> tuple:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
 
+@dataclass(frozen=True)
+class DomainEval:
+    """One domain's held-out result.
+
+    ``score``: mean reward in [0, 1] over the scored samples (pass@1 when the reward is 0/1).
+    ``se``: standard error of ``score`` over prompts (sample std of the per-prompt means / sqrt(prompts)):
+    the samples of one prompt are not independent, the prompts are. 0 with fewer than two prompts.
+    ``pass_at_k``: fraction of prompts with at least one full-credit sample (reward >= 1) among their
+    ``k`` samples. ``prompts``: prompts with at least one scored sample.
+    """
+
+    score: float
+    se: float
+    pass_at_k: float
+    k: int
+    prompts: int
+
+
+def _prompt_sums(values: torch.Tensor, scored: torch.Tensor, prompt_index: list[int], n_prompts: int) -> list[float]:
+    """[sum of per-prompt means, sum of their squares, prompts with a scored sample, prompts with a
+    full-credit sample] over this rank's prompts (values, scored: [samples])."""
+    means_sum = squares_sum = prompts = passed = 0.0
+    index = torch.tensor(prompt_index, dtype=torch.long)
+    for p in range(n_prompts):
+        rows = (index == p) & scored
+        if not bool(rows.any()):
+            continue
+        mean = float(values[rows].mean())
+        means_sum, squares_sum, prompts = means_sum + mean, squares_sum + mean * mean, prompts + 1
+        passed += float(bool((values[rows] >= 1.0).any()))
+    return [means_sum, squares_sum, prompts, passed]
+
+
+def _standard_error(means_sum: float, squares_sum: float, n: float) -> float:
+    if n < 2:
+        return 0.0
+    variance = max(squares_sum - means_sum * means_sum / n, 0.0) / (n - 1)
+    return math.sqrt(variance / n)
+
+
 def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
              domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, rollout_cfg: RolloutConfig,
              seed: int) -> dict[str, float]:
-    """Mean score per domain in [0, 1] over the samples whose reward did not fail (0 if none was
-    scored; failures are logged); prompts are split over data-parallel ranks; collective.
+    """Mean score per domain in [0, 1] (:func:`evaluate_detailed`'s ``score``); collective."""
+    details = evaluate_detailed(module, eval_sets, rewards, domains, tokenizer, eval_cfg, rollout_cfg, seed)
+    return {domain: result.score for domain, result in details.items()}
+
+
+def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
+                      domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig,
+                      rollout_cfg: RolloutConfig, seed: int) -> dict[str, DomainEval]:
+    """Per domain: mean score in [0, 1] over the samples whose reward did not fail (0 if none was
+    scored; failures are logged), its standard error over prompts and pass@k; prompts are split over
+    data-parallel ranks; collective.
 
     Responses get ``eval.max_new_tokens`` tokens (null: the run's ``rollout.max_new_tokens``), stop
     at the run's ``rollout.stop_strings`` and use a KV cache of the run's ``rollout.kv_cache_*``;
@@ -49,12 +101,16 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
                                 kv_cache=KVCacheConfig.from_rollout(rollout_cfg), on_finished=scorer.on_finished)
             values, errored, _ = scorer.collect_flags(rollouts.samples)
         scored = ~errored
-        total = torch.tensor([float(values[scored].sum()), float(scored.sum()), float(len(values))],
+        per_prompt = _prompt_sums(values, scored, [s.prompt_index for s in rollouts.samples], len(mine))
+        total = torch.tensor([float(values[scored].sum()), float(scored.sum()), float(len(values)), *per_prompt],
                              dtype=torch.float64)
         dist.all_reduce(total, group=dp_group)
         # A failed reward is no verdict on the response: the score is over the scored samples.
         if total[1] < total[2]:
             log.warning("eval %s: %d of %d rewards errored or timed out; the score is over the %d scored",
                         domain, int(total[2] - total[1]), int(total[2]), int(total[1]))
-        scores[domain] = float(total[0] / max(total[1], 1.0))
+        means_sum, squares_sum, prompts, passed = total[3:].tolist()
+        scores[domain] = DomainEval(score=float(total[0] / max(total[1], 1.0)),
+                                    se=_standard_error(means_sum, squares_sum, prompts),
+                                    pass_at_k=passed / max(prompts, 1.0), k=eval_cfg.samples, prompts=int(prompts))
     return scores

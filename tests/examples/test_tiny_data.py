@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_cascade.rewards import get_reward, score_batch
+from megatron_cascade.rewards.registry import build_reward
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cascade"
 DATA = EXAMPLE / "data"
@@ -65,12 +66,24 @@ def test_sft_rl_and_eval_prompts_are_disjoint(domain):
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
-def test_every_reference_response_scores_one(domain):
+def test_every_reference_response_scores_one_and_every_habit_zero(domain):
+    # SFT rows marked "habit" show the SFT teacher's habitual mistake (what RL should unlearn);
+    # every other row's response is right. RL and eval rows never carry the habit.
     rows = [row for split in SPLITS for row in _rows(domain, split)]
-    scores, errors = score_batch(get_reward(domain), [r["response"] for r in rows], rows, timeout_s=30)
+    assert not any(r.get("habit") for split in ("train", "eval") for r in _rows(domain, split))
+    kwargs = {"all_or_nothing": True} if domain == "instruction_following" else {}  # as cascade.yaml scores it
+    reward = build_reward(domain, kwargs)
+    scores, errors = score_batch(reward, [r["response"] for r in rows], rows, timeout_s=30)
     assert errors == 0
-    bad = [(r["prompt"], r["response"], s) for r, s in zip(rows, scores) if s != 1.0]
+    bad = [(r["prompt"], r["response"], s) for r, s in zip(rows, scores) if s != (0.0 if r.get("habit") else 1.0)]
     assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_sft_rows_show_the_habit_about_as_often_as_make_data_says(domain):
+    rows = _rows(domain, "sft")
+    habit = sum(bool(r.get("habit")) for r in rows) / len(rows)
+    assert abs(habit - (1 - _make_data().SFT_FOLLOWS)) < 0.15
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
