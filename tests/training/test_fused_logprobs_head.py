@@ -138,3 +138,42 @@ def test_logits_path_divides_16_bit_logits_by_the_temperature_in_float32(truncat
     ref = torch.log_softmax(logits[..., :VOCAB].double() / 0.7, dim=-1)
     torch.testing.assert_close(logprobs.double(), ref.gather(-1, targets[..., None])[..., 0], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy.double(), -(ref.exp() * ref).sum(-1), atol=1e-4, rtol=0)
+
+
+def _head_choice_worker():
+    """{case: use_fused_head(...) or the error it raised} on a real GPTModel."""
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel
+    from megatron_cascade.training.output_head import use_fused_head
+
+    initialize_model_parallel(ParallelConfig(), seed=1)
+    model = build_gpt_model(MODEL, ParallelConfig())
+
+    def choice(head, truncated):
+        try:
+            return use_fused_head(head, truncated, model)
+        except Exception as err:  # noqa: BLE001 - the message is what the test checks
+            return f"{type(err).__name__}: {err}"
+
+    out = {(head, truncated): choice(head, truncated) for head in ("auto", "fused", "logits")
+           for truncated in (False, True)}
+    model.config.defer_embedding_wgrad_compute = True
+    out["deferred", "auto"], out["deferred", "fused"] = choice("auto", False), choice("fused", False)
+    model.config.defer_embedding_wgrad_compute, model.config.mtp_num_layers = False, 1
+    out["mtp", "logits"] = choice("logits", False)
+    return out
+
+
+def test_head_choice_and_refusals():
+    from megatron_cascade.training.loss_plugin import LossSpec
+
+    out = run_distributed(_head_choice_worker, 1)[0]
+    assert out["auto", False] is True and out["fused", False] is True
+    assert out["auto", True] is False  # top-k / top-p: the logits path (LossSpec refuses "fused" with them)
+    assert out["logits", False] is False and out["logits", True] is False
+    assert out["deferred", "auto"] is False
+    assert "ConfigError" in out["deferred", "fused"] and "defer_embedding_wgrad_compute" in out["deferred", "fused"]
+    assert "ConfigError" in out["mtp", "logits"] and "mtp_num_layers" in out["mtp", "logits"]
+    with pytest.raises(ValueError, match="output_head='fused' cannot give top-k / top-p.*rollout.top_k"):
+        LossSpec("grpo", LossConfig(), top_p=0.9, output_head="fused")
+    with pytest.raises(ValueError, match="output_head must be one of"):
+        LossSpec("grpo", LossConfig(), output_head="on")
