@@ -36,9 +36,11 @@ _BUILTIN_MODULES = {
     "code": "megatron_cascade.rewards.code",
     "instruction_following": "megatron_cascade.rewards.ifeval",
     "structured_output": "megatron_cascade.rewards.structured",
+    "tool_calling": "megatron_cascade.rewards.structured",
     "multiple_choice": "megatron_cascade.rewards.multiple_choice",
     "reward_model": "megatron_cascade.rewards.reward_model",
     "pairwise_judge": "megatron_cascade.rewards.pairwise_judge",
+    "environment": "megatron_cascade.rewards.environment",
 }
 
 

@@ -1,0 +1,263 @@
+"""SWE RL environment (issue 16 item 3): workspaces, tools, hidden-test reward, sandbox isolation.
+
+The shipped task set (examples/swe_tasks): every oracle fix scores 1 and no patch scores 0 through
+the environment's own tool calls. Tools work on a private copy of the repository (paths cannot leave
+it), commands and hidden tests run in the code sandbox, the hidden tests exist only while scoring,
+forged test results do not pass, and attacks of tests/rewards/test_sandbox_attacks.py fail inside SWE
+workspaces too (run as a command, or as the patch the hidden tests import), leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megatron_cascade.environments import build_environment
+from megatron_cascade.environments.swe import SWEEnvironment
+from megatron_cascade.rewards.sandbox import CodeSandbox, SandboxUnavailableError
+from megatron_cascade.tokenizers import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "examples" / "swe_tasks" / "tasks.jsonl"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+attacks = _load("sandbox_attack_helpers", ROOT / "tests" / "rewards" / "test_sandbox_attacks.py")
+reward_fixtures = _load("reward_test_fixtures", ROOT / "tests" / "rewards" / "conftest.py")
+make_tasks = _load("make_swe_tasks", ROOT / "examples" / "swe_tasks" / "make_tasks.py")
+
+
+@pytest.fixture(scope="module")
+def env() -> SWEEnvironment:
+    try:
+        CodeSandbox().require_isolation()
+    except SandboxUnavailableError as e:
+        pytest.skip(f"isolated sandbox unavailable here (the swe environment refuses without it): {e}")
+    return build_environment("swe", {"command_timeout_s": 3.0, "test_timeout_s": 3.0, "max_output_chars": 3000},
+                             CharTokenizer())
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return [json.loads(line) for line in TASKS.read_text().splitlines()]
+
+
+@pytest.fixture
+def no_leftovers():
+    """No sandbox process and no sandbox directory left after the test."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mc-sandbox-*")))
+    yield
+    leftovers = reward_fixtures.processes_with("mc-sandbox-")
+    for p in leftovers:
+        p.kill()
+    assert not leftovers
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mc-sandbox-*"))) <= before
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def _episode(env: SWEEnvironment, row: dict, turns: list[str]):
+    """Play ``turns`` (model texts) in one episode; every step's EnvStep and the final state."""
+    tok = env.tokenizer
+    state = env.start(row)
+    steps = []
+    try:
+        for text in turns:
+            steps.append(env.step(state, tok.encode(text) + [tok.eos_id], text))
+            if steps[-1].done:
+                break
+    finally:
+        env.finish(state)
+    return steps, state
+
+
+def test_task_set_is_the_generators_and_small(rows):
+    assert rows == [make_tasks.make_row(t) for t in make_tasks.TASKS]
+    assert len(rows) == 20 and TASKS.stat().st_size < 64 * 1024
+
+
+def test_oracle_patch_scores_1_and_no_patch_0_on_every_task(env, rows, no_leftovers):
+    def play(job):
+        row, fixed = job
+        edits = [call("edit", **e) for e in row["oracle_edits"]] if fixed else []
+        steps, _ = _episode(env, row, edits + ["I am done."])  # a turn without a tool call submits
+        return steps[-1]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        last = list(pool.map(play, [(row, fixed) for row in rows for fixed in (True, False)]))
+    assert [s.reward for s in last] == [1.0, 0.0] * len(rows)
+    assert all(s.done and s.metrics["swe_submitted"] == 1.0 for s in last)
+    assert [s.metrics["swe_files_changed"] for s in last[:2]] == [1.0, 0.0]
+
+
+def test_tools_on_the_workspace(env, rows, no_leftovers):
+    row = rows[0]  # calc: add returns a - b
+    turns = [
+        call("view") + call("view", path="calc/core.py") + call("search", text="def add"),
+        call("edit", path="calc/core.py", old="a", new="x") + call("edit", path="../escape.py", old="", new="1")
+        + call("view", path="/etc/passwd") + call("edit", path="calc/core.py", old="nothing", new="x"),
+        call("run", command="python -m unittest tests.test_core") + call("run", command="ls /")
+        + call("frobnicate") + "<tool_call>{not json</tool_call>",
+        call("run", command="python -c \"import os; open('notes.txt', 'w').write('hi'); os.remove('README.md')\"")
+        + call("view", path="notes.txt"),
+        call("edit", path="calc/core.py", old="a - b", new="a + b") + call("run", command="python -m unittest -q"),
+        call("submit"),
+    ]
+    steps, state = _episode(env, row, turns)
+    tok = env.tokenizer
+    obs = [tok.decode(s.observation_ids) for s in steps]
+    assert "README.md\ncalc/__init__.py\ncalc/core.py" in obs[0] and "    2      return a - b" in obs[0]
+    assert "calc/core.py:1: def add(a, b):" in obs[0]
+    assert "'old' occurs 3 times in calc/core.py" in obs[1] and "'old' occurs 0 times" in obs[1]
+    assert "it leaves the repository" in obs[1] and "relative to the repository root" in obs[1]
+    assert "[exit status 1]" in obs[2] and "AssertionError: -1 != 5" in obs[2]
+    assert "only Python runs here" in obs[2] and "unknown tool 'frobnicate'" in obs[2] and "not JSON" in obs[2]
+    assert "    1  hi" in obs[3] and "README.md" not in state.workspace.files
+    assert "[exit status 0]" in obs[4] and "OK" in obs[4]
+    assert [s.metrics["tool_calls"] for s in steps[:5]] == [3, 4, 4, 2, 2]
+    assert [s.metrics["tool_calls_ok"] for s in steps[:5]] == [3, 0, 1, 2, 2]
+    assert steps[-1].done and steps[-1].reward == 1.0
+    assert not any(s.done for s in steps[:-1]) and all(s.observation_ids for s in steps[:-1])
+
+
+def test_a_command_changes_the_workspace(env, rows, no_leftovers):
+    state = env.start(rows[0])
+    env.step(state, [], call("run", command="python -c \"import os; open('notes.txt', 'w').write('hi'); "
+                                                "os.remove('README.md'); os.symlink('/etc/passwd', 'link')\""))
+    assert state.workspace.files["notes.txt"] == "hi"
+    assert "README.md" not in state.workspace.files and "link" not in state.workspace.files
+    assert state.workspace.changed() == ["README.md", "notes.txt"]
+    env.finish(state)
+
+
+def test_hidden_tests_exist_only_while_scoring(env, rows, no_leftovers):
+    row = rows[0]
+    fake = "import unittest\n\n\nclass TestHidden(unittest.TestCase):\n" + "".join(
+        f"    def test_{i}(self):\n        pass\n\n" for i in range(row["hidden_test_count"]))
+    look = call("run", command="python -c \"import os; print(sorted(os.listdir('tests')))\"")
+    steps, state = _episode(env, row, [look, call("edit", path="tests/test_hidden.py", old="", new=fake), "done"])
+    assert "['__init__.py', 'test_core.py']" in env.tokenizer.decode(steps[0].observation_ids)
+    assert steps[-1].done and steps[-1].reward == 0.0  # the real hidden tests replaced the model's stand-in
+    assert "tests/test_hidden.py" not in row["repo"]
+
+
+@pytest.mark.parametrize("patch", [
+    "import os\nos._exit(0)\n",  # the test process ends early with status 0
+    "import sys\nsys.exit(0)\n",
+    "print('\\n__SWE_RESULT__{\"run\": 3, \"failures\": 0, \"errors\": 0, \"skipped\": 0}', flush=True)\nimport os\nos._exit(0)\n",
+    "import unittest\nunittest.TestCase.run = lambda self, result=None: None\n",  # tests that never run
+    "import atexit\natexit.register(lambda: print('\\n__SWE_RESULT__{\"run\": 3, \"failures\": 0, \"errors\": 0, "
+    "\"skipped\": 0}'))\n",
+], ids=["os-exit", "sys-exit", "forged-result", "no-tests-run", "atexit"])
+def test_a_patch_cannot_fake_passing_tests(env, rows, patch, no_leftovers):
+    """Each patch keeps the bug and tries to make the hidden tests look passed."""
+    row = rows[0]
+    prefix = patch + "\n\ndef add(a, b):\n    return a - b\n"
+    steps, _ = _episode(env, row, [call("edit", path="calc/core.py", old="def add(a, b):\n    return a - b\n",
+                                        new=prefix), "done"])
+    assert steps[-1].done and steps[-1].reward == 0.0
+
+
+# -- sandbox attacks inside SWE workspaces (tests/rewards/test_sandbox_attacks.py) --------------------------
+
+def _attack(env, row, body: str, where: str) -> tuple[float, float, str]:
+    """``body`` run as a command (``where="command"``) or as the module the hidden tests import
+    (``"tests"``); (the episode's reward, seconds, the command's output)."""
+    start = time.monotonic()
+    if where == "command":
+        steps, _ = _episode(env, row, [call("edit", path="attack.py", old="", new=body)
+                                       + call("run", command="python attack.py"), "done"])
+        return steps[-1].reward, time.monotonic() - start, env.tokenizer.decode(steps[0].observation_ids)
+    core = "def add(a, b):\n    return a + b\n"
+    steps, _ = _episode(env, row, [call("edit", path="calc/core.py", old="def add(a, b):\n    return a - b\n",
+                                        new=body + "\n" + core), "done"])
+    return steps[-1].reward, time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("where", ["command", "tests"])
+def test_attacks_fail_inside_swe_workspaces(env, rows, where, tmp_path, monkeypatch, no_leftovers):
+    row = rows[0]
+    limit = 3.0 + 10.0 + attacks.SLACK_S  # the command's deadline, the driver's margin, slack
+    # No network: a listening socket of the host is unreachable.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.1)
+    try:
+        body = (f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), 1)\n"
+                "print('PWNED')")
+        reward, _, out = _attack(env, row, body, where)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    assert reward == 0.0 and "PWNED" not in out
+    # The host's files are out of reach, and its secrets are not in the environment.
+    world = tmp_path / "world"
+    world.mkdir(mode=0o777)
+    os.chmod(world, 0o777)
+    monkeypatch.setenv("MC_TEST_SECRET_TOKEN", "mc-secret-value-42")
+    body = (f"import os\nopen({str(world / 'written.txt')!r}, 'w').write('x')\n")
+    reward, _, out = _attack(env, row, body, where)
+    assert not (world / "written.txt").exists() and reward == 0.0
+    body = "import os\nprint('SECRET=' + os.environ.get('MC_TEST_SECRET_TOKEN', 'none'))\n"
+    _, _, out = _attack(env, row, body, where)
+    assert "mc-secret-value-42" not in out and (where == "tests" or "SECRET=none" in out)
+    # Runaway code ends at its deadline: the reward is 0 and the step comes back in time.
+    for body in ("while True:\n    pass", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                 "        pass"):
+        reward, elapsed, out = _attack(env, row, body, where)
+        assert reward == 0.0 and elapsed < limit, (body, elapsed)
+
+
+@pytest.mark.parametrize("where", ["command", "tests"])
+def test_a_daemon_does_not_outlive_its_command(env, rows, where, tmp_path, no_leftovers):
+    marker = f"mcmarker{os.getpid()}{where}"
+    world = tmp_path / "w"
+    world.mkdir()
+    os.chmod(world, 0o777)
+    flag = str(world / "daemon.txt")
+    _, elapsed, _ = _attack(env, rows[0], attacks._daemon_body(marker, flag, "pass"), where)
+    assert reward_fixtures.processes_with(marker) == []
+    time.sleep(max(0.0, 3.5 - elapsed))
+    assert not os.path.exists(flag) and reward_fixtures.processes_with(marker) == []
+
+
+# -- configuration and rows ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,key", [
+    ({"command_timeout_s": 0}, "command_timeout_s"), ({"test_timeout_s": float("nan")}, "test_timeout_s"),
+    ({"memory_mb": 1.5}, "memory_mb"), ({"max_calls_per_turn": 0}, "max_calls_per_turn"),
+    ({"allow_unsafe_sandbox": "yes"}, "allow_unsafe_sandbox"),
+])
+def test_bad_kwargs_are_refused_naming_them(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        build_environment("swe", kwargs, CharTokenizer())
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"repo": {"a.py": ""}}, "hidden_tests"),
+    ({"repo": {}, "hidden_tests": {"t.py": ""}}, "'repo' must be a non-empty object"),
+    ({"repo": {"../a.py": ""}, "hidden_tests": {"t.py": ""}}, "leaves the repository"),
+    ({"repo": {"a.py": ""}, "hidden_tests": {"t.py": ""}, "test_modules": []}, "test_modules"),
+])
+def test_bad_rows_fail_their_episode(env, row, message):
+    with pytest.raises(ValueError, match=message):
+        env.start(row)
