@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
-from megatron_cascade.cascade.evaluation import data_parallel, evaluate
+from megatron_cascade.cascade.evaluation import DomainEval, data_parallel, evaluate_detailed
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
@@ -59,10 +59,11 @@ def _reseed(seed: int) -> None:
 
 
 def start_weights(ctx: RunContext, index: int) -> str | None:
-    """Where stage ``index`` starts from: the previous stage's final weights, or init_checkpoint."""
+    """Where stage ``index`` starts from: its ``init_from`` stage's final weights (default: the
+    previous stage's), or init_checkpoint for the first stage."""
     if index == 0:
         return ctx.cfg.init_checkpoint
-    previous = ctx.cfg.stages[index - 1].name
+    previous = ctx.cfg.stages[index].init_from or ctx.cfg.stages[index - 1].name
     path = ctx.manifest.final_weights(previous)
     if path is None:
         raise RuntimeError(f"stage {ctx.cfg.stages[index].name!r} starts from stage {previous!r}, "
@@ -135,6 +136,7 @@ class StageRunner:
         try:
             for step in range(first_step, self.stage.steps):
                 metrics = self._step(step)
+                metrics.update(self._periodic_eval(step + 1))
                 logger.log_step(step, metrics)
                 self._maybe_checkpoint(step + 1)
             record = self._finish(logger)
@@ -190,7 +192,8 @@ class StageRunner:
     def _finish(self, logger: StageLogger) -> dict:
         final = os.path.join(stage_dir(self.cfg.output_dir, self.stage.name), "final")
         save_final_weights(final, self.policy, {TOKENIZER_FINGERPRINT_FILE: self.tok.fingerprint() + "\n"})
-        scores = self._evaluate()
+        details = self._evaluate()
+        scores = {domain: result.score for domain, result in details.items()}
         logger.log_eval(scores, self.stage.steps)
         record = {
             "status": "complete",
@@ -200,20 +203,39 @@ class StageRunner:
             "final_weights": os.path.relpath(final, self.cfg.output_dir),
             "eval": scores,
         }
+        if details:  # the standard error over prompts and pass@k of each score (k = eval.samples)
+            record["eval_se"] = {domain: result.se for domain, result in details.items()}
+            record["eval_pass_at_k"] = {domain: result.pass_at_k for domain, result in details.items()}
+            record["eval_k"] = self.cfg.eval.samples
         if self.stage.teachers:
             record["teachers"] = dict(self.stage.teachers)
+        if self.index > 0:  # the stage whose weights this one started from (the report's deltas)
+            record["init_from"] = self.cfg.stages[self.index].init_from or self.cfg.stages[self.index - 1].name
         if is_main_rank():
             self.ctx.manifest.record_stage(self.stage.name, record)
         dist.barrier()
         return record
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self, domains: list[str] | None = None) -> dict[str, DomainEval]:
+        """Held-out results of the current weights on ``domains`` (None: every eval set); collective."""
         eval_cfg = self.cfg.eval
-        if not eval_cfg.enabled or not self.ctx.eval_sets:
+        eval_sets = {d: e for d, e in self.ctx.eval_sets.items() if domains is None or d in domains}
+        if not eval_cfg.enabled or not eval_sets:
             return {}
         finish_param_sync(self.policy)
-        return evaluate(self.policy.module, self.ctx.eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
-                        eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+        return evaluate_detailed(self.policy.module, eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
+                                 eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+
+    def _periodic_eval(self, done: int) -> dict[str, float]:
+        """``eval.every_steps``: after every that many steps (not the last: the stage's own eval follows),
+        the held-out score and its standard error on the stage's domains, as step metrics."""
+        every = self.cfg.eval.every_steps
+        if not every or done % every or done >= self.stage.steps:
+            return {}
+        details = self._evaluate(list(self.stage.domains))
+        out = {f"eval/{domain}": result.score for domain, result in details.items()}
+        out.update({f"eval_se/{domain}": result.se for domain, result in details.items()})
+        return out
 
 
 def _all_reduce_dict(values: dict[str, float], op, group) -> dict[str, float]:

@@ -217,6 +217,8 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
             if cfg.domains[domain].train is None:
                 raise ConfigError(f"{where}: domain {domain!r} has no 'train' file")
         _validate_teachers(stage, seen, where, check_paths)
+        if stage.init_from is not None and stage.init_from not in seen:
+            raise ConfigError(f"{where}: init_from={stage.init_from!r} is not an earlier stage (earlier: {seen})")
         seen.append(stage.name)
         try:
             resolved = resolve_stage(cfg, stage)
@@ -280,7 +282,7 @@ def resolve_stage(cfg: RunConfig, stage: StageConfig) -> ResolvedStage:
             hint = "" if "Did you mean" in message else _close(str(key), cls)
             raise ConfigError(f"stage {stage.name!r}: '{name}.{key}': {message}{hint}") from None
     return ResolvedStage(stage.name, stage.type, stage.steps, stage.prompts_per_step, stage.samples_per_prompt,
-                         dict(stage.domains), dict(stage.teachers), **sections)
+                         dict(stage.domains), dict(stage.teachers), **sections, init_from=stage.init_from)
 
 
 def _close(key: str, cls: type) -> str:

@@ -146,6 +146,9 @@ class EvalConfig:
 
     enabled: bool = True
     max_prompts: int = ranged(64, ge=1)  # per domain
+    # Also score the stage's own domains every this many steps during a stage (metrics.jsonl: eval/<domain>,
+    # eval_se/<domain>); 0 = only after each stage.
+    every_steps: int = ranged(0, ge=0)
     max_new_tokens: Optional[int] = ranged(None, ge=1)  # null = rollout.max_new_tokens
     temperature: float = ranged(0.0, ge=0)  # 0 = greedy pass@1
     samples: int = ranged(1, ge=1)  # per prompt (pass@1 is their mean)
@@ -207,6 +210,8 @@ class StageConfig:
     samples_per_prompt: int = ranged(4, ge=1)  # G (sft: ignored; grpo: >= 2, a group of one has no signal)
     domains: Dict[str, float] = field(default_factory=dict)  # domain -> sampling weight
     teachers: Dict[str, str] = field(default_factory=dict)  # mopd: domain -> stage name or weights dir
+    # The earlier stage whose final weights this stage starts from; null = the previous stage (the cascade).
+    init_from: Optional[str] = None
     optimizer: Optional[Dict[str, Any]] = None
     loss: Optional[Dict[str, Any]] = None
     training: Optional[Dict[str, Any]] = None
@@ -266,3 +271,4 @@ class ResolvedStage:
     loss: LossConfig
     training: TrainingConfig
     rollout: RolloutConfig
+    init_from: Optional[str] = None  # the stage whose final weights it starts from (null: the previous one)

@@ -1,0 +1,186 @@
+"""The paper's claims on the tiny cascade, over several seeds: each GRPO stage raises its own domain,
+later stages forget little (next to a mixed-RL baseline with the same steps and data), and MOPD
+reaches its teachers' scores in fewer steps than GRPO from the same weights.
+
+    python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims            # runs, then prints
+    python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims --no-run   # print finished runs
+
+Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and ``mixed.yaml`` (``seed=<s>``; a finished
+run is skipped, an interrupted one resumes) and prints, mean ± standard error over seeds:
+
+1. every stage's held-out score per domain and its change from the weights it started from;
+2. each GRPO stage's gain on its own domains, in units of the eval's standard error (over prompts);
+3. the cascade's final scores next to the mixed baseline's;
+4. MOPD vs GRPO: stage steps until the held-out score is within 0.03 of the teacher (the step of the
+   first periodic eval at that level, ``eval.every_steps``; "-" = not within the stage).
+
+The seed changes the weights' initialisation, the prompt order and the sampling; the data splits are
+the committed ones. Extra arguments are config overrides for both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_cascade.cascade.report import StageResult, eval_curves, stage_results, steps_to_level  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "tiny_cascade"
+TOLERANCE = 0.03  # "within 0.03 of the teacher"
+
+
+def run(config: Path, out: str, seed: int, overrides: list[str]) -> None:
+    """One run of ``config`` (resumes; a complete run only re-reads its manifest)."""
+    cmd = [sys.executable, "-m", "megatron_cascade.cli", "run", str(config), f"output_dir={out}", f"seed={seed}",
+           "logging.progress_bar=false", *overrides]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def mean_se(values: list[float]) -> str:
+    """``mean±se`` over seeds (the SE is the sample std / sqrt(n); '' with one value)."""
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.2f}"
+    return f"{mean:.2f}±{statistics.stdev(values) / math.sqrt(len(values)):.2f}"
+
+
+def _delta(results: dict[str, StageResult], stage: StageResult, domain: str) -> Optional[float]:
+    start = results.get(stage.start) if stage.start else None
+    if start is None or domain not in start.scores or domain not in stage.scores:
+        return None
+    return stage.scores[domain] - start.scores[domain]
+
+
+def stage_table(runs: list[list[StageResult]]) -> list[str]:
+    """Per stage x domain: score (change from the start weights), mean ± SE over seeds."""
+    stages = [r.name for r in runs[0]]
+    domains = sorted({d for r in runs[0] for d in r.scores})
+    lines = [f"{'stage':<10}{'type':<6}" + "".join(f"{d:>30}" for d in domains)]
+    for i, name in enumerate(stages):
+        cells = []
+        for d in domains:
+            scores = [run_[i].scores[d] for run_ in runs if d in run_[i].scores]
+            deltas = [x for x in (_delta({r.name: r for r in run_}, run_[i], d) for run_ in runs) if x is not None]
+            cells.append(mean_se(scores) + (f" ({mean_se(deltas)})" if deltas else ""))
+        lines.append(f"{name:<10}{runs[0][i].type:<6}" + "".join(f"{c:>30}" for c in cells))
+    return lines
+
+
+def gains_table(runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
+    """Each GRPO stage's change on its own domains, and that change over the eval's SE, per seed."""
+    lines = [f"{'stage':<10}{'domain':<24}{'gain':>12}{'gain / eval SE':>18}  per seed"]
+    for i, stage in enumerate(runs[0]):
+        if stage.type != "grpo":
+            continue
+        for d in domains_of.get(stage.name, []):
+            gains, ratios = [], []
+            for run_ in runs:
+                by_name = {r.name: r for r in run_}
+                delta = _delta(by_name, run_[i], d)
+                if delta is None:
+                    continue
+                se = math.hypot(run_[i].se.get(d, 0.0), by_name[run_[i].start].se.get(d, 0.0))
+                gains.append(delta)
+                ratios.append(delta / se if se > 0 else float("inf"))
+            per_seed = " ".join(f"{g:+.2f}/{r:.0f}SE" for g, r in zip(gains, ratios))
+            lines.append(f"{stage.name:<10}{d:<24}{mean_se(gains):>12}{mean_se(ratios):>18}  {per_seed}")
+    return lines
+
+
+def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]]) -> list[str]:
+    """The cascade's last stage and each domain's best cascade stage next to the mixed run's last stage."""
+    domains = sorted({d for r in cascades[0] for d in r.scores})
+    lines = [f"{'domain':<24}{'cascade (end)':>16}{'cascade (best)':>16}{'mixed RL (end)':>16}"]
+    for d in domains:
+        end = [run_[-1].scores[d] for run_ in cascades if d in run_[-1].scores]
+        best = [max(r.scores.get(d, 0.0) for r in run_[1:]) for run_ in cascades]
+        mix = [run_[-1].scores[d] for run_ in mixed if d in run_[-1].scores]
+        lines.append(f"{d:<24}{mean_se(end):>16}{mean_se(best):>16}{mean_se(mix):>16}")
+    return lines
+
+
+def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
+    """Steps to teacher level (within TOLERANCE) for each MOPD stage and the GRPO stage that starts
+    from the same weights on the same domains."""
+    lines = [f"{'domain':<24}{'teacher':>10}{'MOPD steps':>12}{'GRPO steps':>12}{'MOPD end':>10}{'GRPO end':>10}"]
+    first = runs[0]
+    for mopd in (s for s in first if s.teachers):
+        grpo = next((s for s in first if s.type == "grpo" and s.start == mopd.start
+                     and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+        for d, teacher in sorted(mopd.teachers.items()):
+            cols = {"teacher": [], "mopd": [], "grpo": [], "mopd_end": [], "grpo_end": []}
+            for out, run_ in zip(outs, runs):
+                by_name = {r.name: r for r in run_}
+                level = by_name[teacher].scores[d]
+                curves = eval_curves(out)
+                cols["teacher"].append(level)
+                cols["mopd_end"].append(by_name[mopd.name].scores[d])
+                cols["mopd"].append(steps_to_level(curves.get(mopd.name, {}).get(d, []), level, TOLERANCE))
+                if grpo is not None:
+                    cols["grpo_end"].append(by_name[grpo.name].scores[d])
+                    cols["grpo"].append(steps_to_level(curves.get(grpo.name, {}).get(d, []), level, TOLERANCE))
+
+            def steps(values: list[Optional[int]]) -> str:
+                return " ".join("-" if v is None else str(v) for v in values) or "n/a"
+
+            lines.append(f"{d:<24}{mean_se(cols['teacher']):>10}{steps(cols['mopd']):>12}{steps(cols['grpo']):>12}"
+                         f"{mean_se(cols['mopd_end']):>10}{mean_se(cols['grpo_end']):>10}")
+        lines.append(f"(MOPD stage {mopd.name!r}, GRPO stage {grpo.name if grpo else None!r}, both from "
+                     f"{mopd.start!r}; steps per seed)")
+    return lines
+
+
+def stage_domains(config: Path, overrides: list[str]) -> dict[str, list[str]]:
+    """stage name -> the domains it trains on (from the config)."""
+    from megatron_cascade.config import load_config
+
+    cfg = load_config(str(config), overrides)
+    return {s.name: list(s.domains) for s in cfg.stages}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "claims"))
+    parser.add_argument("--no-run", action="store_true", help="only print the tables of finished runs")
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed-RL baseline")
+    parser.add_argument("overrides", nargs="*", help="config overrides for both runs (key=value)")
+    args = parser.parse_args(argv)
+    cascade_outs = [os.path.join(args.out, f"cascade_seed{s}") for s in args.seeds]
+    mixed_outs = [os.path.join(args.out, f"mixed_seed{s}") for s in args.seeds]
+    if not args.no_run:
+        for seed, c_out, m_out in zip(args.seeds, cascade_outs, mixed_outs):
+            run(EXAMPLE / "cascade.yaml", c_out, seed, args.overrides)
+            if not args.no_mixed:
+                run(EXAMPLE / "mixed.yaml", m_out, seed, args.overrides)
+    cascades = [stage_results(o) for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
+    if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
+        raise SystemExit("no finished cascade run (or runs with different stages) under " + args.out)
+    domains_of = stage_domains(EXAMPLE / "cascade.yaml", args.overrides)
+    print(f"\nseeds {args.seeds}: mean ± standard error over seeds\n")
+    print("\n".join(stage_table(cascades)))
+    print("\nGRPO stages on their own domains (gain / SE: the change over the eval's standard error)\n")
+    print("\n".join(gains_table(cascades, domains_of)))
+    mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
+    if mixed:
+        print("\nforgetting: the cascade vs mixed RL with the same GRPO steps and data\n")
+        print("\n".join(mixed_table(cascades, mixed)))
+    print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
+    print("\n".join(mopd_vs_grpo([o for o in cascade_outs if os.path.isfile(os.path.join(o, 'manifest.json'))],
+                                 cascades, domains_of)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The report reads a run's manifest and metrics: each score with its standard error and its change
+from the weights the stage started from (``init_from``, not the row above), pass@k, the held-out
+curves of stages evaluated during training (e.g. MOPD vs GRPO from the same weights) with their
+teachers' levels, and the step at which a curve reaches a teacher."""
+
+import json
+import os
+
+import pytest
+
+from megatron_cascade.cascade.manifest import Manifest
+from megatron_cascade.cascade.report import (
+    eval_curves,
+    format_table,
+    stage_results,
+    steps_to_level,
+    teacher_levels,
+    write_report_png,
+)
+
+
+def _stage(kind, scores, se, init_from=None, teachers=None, steps=10):
+    record = {"status": "complete", "type": kind, "steps": steps, "final_weights": "x", "eval": scores,
+              "eval_se": se, "eval_pass_at_k": {d: min(1.0, v + 0.4) for d, v in scores.items()}, "eval_k": 8}
+    if init_from:
+        record["init_from"] = init_from
+    if teachers:
+        record["teachers"] = teachers
+    return record
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    out = str(tmp_path)
+    manifest = Manifest(out)
+    manifest.record("stage_order", ["sft", "a_rl", "b_rl", "mopd", "grpo_ref"])
+    manifest.record_stage("sft", _stage("sft", {"a": 0.30, "b": 0.20}, {"a": 0.02, "b": 0.03}))
+    manifest.record_stage("a_rl", _stage("grpo", {"a": 0.80, "b": 0.18}, {"a": 0.03, "b": 0.03}, "sft"))
+    manifest.record_stage("b_rl", _stage("grpo", {"a": 0.75, "b": 0.70}, {"a": 0.03, "b": 0.04}, "a_rl"))
+    manifest.record_stage("mopd", _stage("mopd", {"a": 0.79, "b": 0.69}, {"a": 0.03, "b": 0.04}, "sft",
+                                         teachers={"a": "a_rl", "b": "b_rl"}))
+    manifest.record_stage("grpo_ref", _stage("grpo", {"a": 0.60, "b": 0.40}, {"a": 0.03, "b": 0.04}, "sft"))
+    for stage, curve in (("mopd", {5: (0.6, 0.5), 10: None}), ("grpo_ref", {5: (0.4, 0.25), 10: None})):
+        os.makedirs(os.path.join(out, "stages", stage))
+        with open(os.path.join(out, "stages", stage, "metrics.jsonl"), "w") as f:
+            for step in range(1, 11):
+                row = {"step": step, "reward/mean": 0.1 * step}
+                if curve.get(step):
+                    row.update({"eval/a": curve[step][0], "eval/b": curve[step][1]})
+                f.write(json.dumps(row) + "\n")
+    return out
+
+
+def test_table_shows_se_and_the_change_from_the_init_stage(run_dir):
+    lines = format_table(run_dir).splitlines()
+    mopd = next(line for line in lines if line.startswith("mopd"))
+    # mopd started from sft (init_from), not from b_rl (the row above): +0.49 on a, +0.49 on b
+    assert "0.79±0.03 (+0.49)" in mopd and "0.69±0.04 (+0.49)" in mopd and " sft " in mopd
+    b_rl = next(line for line in lines if line.startswith("b_rl"))
+    assert "0.75±0.03 (-0.05)" in b_rl  # b_rl's effect on the other domain: forgetting
+    assert any(line.startswith("pass@8") for line in lines)
+
+
+def test_curves_start_at_the_init_stage_and_end_at_the_final_eval(run_dir):
+    curves = eval_curves(run_dir)
+    assert set(curves) == {"mopd", "grpo_ref"}
+    assert curves["mopd"]["a"] == [(0, 0.30), (5, 0.6), (10, 0.79)]
+    assert curves["grpo_ref"]["b"] == [(0, 0.20), (5, 0.25), (10, 0.40)]
+    assert teacher_levels(run_dir, "mopd") == {"a": 0.80, "b": 0.70}
+
+
+def test_steps_to_teacher_level():
+    curve = [(0, 0.3), (5, 0.6), (10, 0.78)]
+    assert steps_to_level(curve, 0.80) == 10
+    assert steps_to_level(curve, 0.62) == 5
+    assert steps_to_level(curve, 0.90) is None
+
+
+def test_a_manifest_without_init_from_counts_from_the_previous_stage(run_dir):
+    manifest = Manifest(run_dir)
+    del manifest.data["stages"]["mopd"]["init_from"]
+    manifest.save()
+    assert [r.start for r in stage_results(run_dir)] == [None, "sft", "a_rl", "b_rl", "sft"]
+
+
+def test_png_has_the_curve_panel(run_dir):
+    path = write_report_png(run_dir)
+    assert os.path.getsize(path) > 10_000
+
+
+def test_claims_tables_from_finished_runs(run_dir):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    runs = [stage_results(run_dir)] * 2
+    domains = {"sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]}
+    gains = "\n".join(claims.gains_table(runs, domains))
+    assert "a_rl" in gains and "+0.50" in gains  # 0.80 - 0.30
+    lines = claims.mopd_vs_grpo([run_dir] * 2, runs, domains)
+    a = next(line for line in lines if line.startswith("a "))
+    assert "10 10" in a and "- -" in a  # MOPD within 0.03 of 0.80 at step 10; GRPO never
