@@ -48,7 +48,9 @@ def _bench_worker(tp: int, naive: bool, steps: int):
     mask[:, SEQ // 4:] = 1
     batch = TrainBatch(ids[:, :-1], ids[:, 1:], mask, advantages=torch.randn(BATCH, generator=gen),
                        inference_logprobs=torch.full((BATCH, SEQ), -10.0))
-    spec = LossSpec("grpo", LossConfig(), vocab_size=MODEL.vocab_size)
+    # Both rows compare log-prob ops on materialised logits (the fused head would bypass token_logprobs:
+    # benchmarks/logprobs.py --only step measures it).
+    spec = LossSpec("grpo", LossConfig(), vocab_size=MODEL.vocab_size, output_head="logits")
     training = TrainingConfig(micro_batch_size=4)
     train_step(policy, batch, spec, training)  # warm-up
     start = time.perf_counter()
