@@ -61,10 +61,16 @@ class Environment:
         name: the registry name (set by :func:`register_environment`).
         stop_strings: strings that also end a model turn (besides the tokenizer's end-of-turn
             ``eos`` and ``rollout.stop_strings``), e.g. ``"</tool_call>"``.
+        one_turn: every episode ends after the model's first turn, without a ``step`` call (the
+            single-turn rewards: scored the moment the response finishes, while others decode).
+        metric_names: the ``EnvStep.metrics`` keys it reports (logged as ``episode/<key>_mean``;
+            declared so that every data-parallel rank sums the same keys).
     """
 
     name: ClassVar[str] = ""
     stop_strings: ClassVar[tuple[str, ...]] = ()
+    one_turn: ClassVar[bool] = False
+    metric_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -12,5 +12,7 @@ from megatron_cascade.environments.base import EnvStep, Environment, register_en
 class SingleTurnEnvironment(Environment):
     """The episode ends after the model's first turn; nothing is appended."""
 
+    one_turn = True
+
     def step(self, state: Any, action_ids: Sequence[int], action_text: str) -> EnvStep:
         return EnvStep(done=True)

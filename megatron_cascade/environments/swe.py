@@ -105,6 +105,7 @@ class SWEEnvironment(Environment):
     """
 
     stop_strings = (CLOSE,)
+    metric_names = ("tool_calls", "tool_calls_ok", "swe_submitted", "swe_resolved", "swe_files_changed")
 
     def __init__(self, tokenizer, *, command_timeout_s: float = 10.0, test_timeout_s: float = 60.0,
                  memory_mb: int = 1024, max_processes: int = 8, max_disk_mb: int = 64,
@@ -151,7 +152,8 @@ class SWEEnvironment(Environment):
             results.append(text)
             ok += good
         state.tool_calls += min(len(calls), self.max_calls_per_turn)
-        metrics = {"tool_calls": float(min(len(calls), self.max_calls_per_turn)), "tool_calls_ok": float(ok)}
+        metrics = {"tool_calls": float(min(len(calls), self.max_calls_per_turn)), "tool_calls_ok": float(ok),
+                   "swe_submitted": 0.0, "swe_resolved": 0.0, "swe_files_changed": 0.0}
         if submitted:
             resolved = self.score(state)
             metrics.update(swe_submitted=1.0, swe_resolved=float(resolved),

@@ -1,0 +1,46 @@
+"""A stage's environments per domain, from the config (``domains.<d>.environment``), and how their
+episodes' outcomes adjust the scores the domain rewards gave."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from megatron_cascade.config.schema import DomainConfig
+from megatron_cascade.environments.base import build_environment
+from megatron_cascade.environments.episode import EpisodeSample, EpisodeSettings
+from megatron_cascade.tokenizers.base import Tokenizer
+
+
+def domain_episode_settings(domains: Mapping[str, DomainConfig], names: Sequence[str], tokenizer: Tokenizer,
+                            max_new_tokens: int) -> dict[str, EpisodeSettings]:
+    """Per named domain its environment (built now: an unknown name or kwarg fails before the first
+    step, naming ``domains.<d>.environment``) and budgets (``max_new_tokens``: per turn)."""
+    out = {}
+    for name in names:
+        spec = domains[name].environment
+        try:
+            env = build_environment(spec.name, spec.kwargs, tokenizer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise type(exc)(f"domains.{name}.environment: {exc}") from exc
+        turns = 1 if env.one_turn else spec.max_turns
+        budget = spec.max_episode_tokens or turns * max_new_tokens
+        out[name] = EpisodeSettings(env, turns, budget, spec.step_timeout_s)
+    return out
+
+
+def episode_scores(samples: Sequence[EpisodeSample], scores: torch.Tensor,
+                   errored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The episodes' scores: the reward of the transcript plus the environment's turn rewards; an
+    episode whose environment step timed out scores 0 (a valid sample: the tool hung), one whose
+    step raised is a failed reward (``errored``, invalid sample)."""
+    scores, errored = scores.clone(), errored.clone()
+    for i, s in enumerate(samples):
+        if s.timed_out:
+            scores[i], errored[i] = 0.0, False
+        elif s.env_error is not None:
+            scores[i], errored[i] = 0.0, True
+        elif s.turn_rewards and not errored[i]:
+            scores[i] += float(sum(s.turn_rewards))
+    return scores, errored

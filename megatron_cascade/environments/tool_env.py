@@ -1,0 +1,102 @@
+"""``tool_calling``: episodes in which the model calls the tools its data row declares.
+
+A row declares its tools as JSON schemas (``"tools": [{"name", "description", "parameters"}]``, or
+OpenAI's ``{"type": "function", "function": {...}}``). Each model turn is parsed for
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks: a turn without one is the final
+answer (the episode ends; the domain's reward, e.g. ``tool_calling``, scores the transcript). Each
+call is checked against the row's declaration (known name, arguments valid for its ``parameters``
+schema) and run; results — or ``error: ...`` for a bad call — go back as one tool-response turn
+(:func:`megatron_cascade.environments.chat.tool_turn_ids`).
+
+Metrics per episode: ``tool_calls`` (calls made), ``tool_calls_ok`` (calls that ran without error).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import jsonschema
+
+from megatron_cascade.environments.base import EnvStep, Environment, register_environment
+from megatron_cascade.environments.chat import tool_turn_ids
+from megatron_cascade.environments.tool_calls import BadToolCall, ToolCall, parse_tool_calls
+from megatron_cascade.environments.tools import PythonTool, ToolFn, load_tool, result_text
+
+
+def declared_tools(row: dict) -> dict[str, dict]:
+    """``{name: parameters schema}`` of the row's ``tools`` (ValueError naming the problem)."""
+    tools = row.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("a tool_calling row needs a non-empty 'tools' list of JSON schemas")
+    out = {}
+    for tool in tools:
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ValueError(f"tool declaration {tool!r} has no 'name'")
+        params = spec.get("parameters", {"type": "object"})
+        jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator).check_schema(params)
+        out[spec["name"]] = params
+    return out
+
+
+@register_environment("tool_calling")
+class ToolCallingEnvironment(Environment):
+    """Tools declared per row, implemented by name.
+
+    Args (``environment.kwargs``):
+        tools: tool name -> implementation (``calculator``, ``python`` or ``pkg.module:function``);
+            a declared tool not listed here uses the built-in of the same name.
+        python_timeout_s: wall-clock limit of one ``python`` tool program (sandbox-enforced).
+        allow_unsafe_sandbox: where the isolated sandbox cannot run, run ``python`` programs with
+            rlimits only (as the code reward's kwarg of the same name).
+        max_result_chars: a tool result longer than this is cut (it costs episode tokens).
+    """
+
+    metric_names = ("tool_calls", "tool_calls_ok")
+
+    def __init__(self, tokenizer, *, tools: Optional[Mapping[str, str]] = None, python_timeout_s: float = 5.0,
+                 allow_unsafe_sandbox: bool = False, max_result_chars: int = 1000) -> None:
+        super().__init__(tokenizer)
+        if max_result_chars < 1:
+            raise ValueError(f"max_result_chars={max_result_chars} must be >= 1")
+        self.options = {"python_timeout_s": python_timeout_s, "allow_unsafe_sandbox": allow_unsafe_sandbox}
+        self.max_result_chars = max_result_chars
+        self.impls: dict[str, ToolFn] = {name: load_tool(spec, **self.options) for name, spec in (tools or {}).items()}
+        for impl in self.impls.values():
+            if isinstance(impl, PythonTool):
+                impl.preflight()
+
+    def _impl(self, name: str) -> ToolFn:
+        if name not in self.impls:
+            self.impls[name] = load_tool(name, **self.options)  # a built-in of that name, or KeyError
+        return self.impls[name]
+
+    def start(self, row: dict) -> dict[str, tuple[dict, ToolFn]]:
+        """The row's tools: name -> (parameters schema, implementation)."""
+        return {name: (params, self._impl(name)) for name, params in declared_tools(row).items()}
+
+    def step(self, state: dict[str, tuple[dict, Any]], action_ids: Sequence[int], action_text: str) -> EnvStep:
+        calls = parse_tool_calls(action_text)
+        if not calls:
+            return EnvStep(done=True)
+        results = [self._run(state, call) for call in calls]
+        ok = sum(1 for r in results if not r.startswith("error:"))
+        turn_ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_id
+        return EnvStep(observation_ids=tool_turn_ids(self.tokenizer, results, turn_ended),
+                       metrics={"tool_calls": float(len(calls)), "tool_calls_ok": float(ok)})
+
+    def _run(self, state: dict[str, tuple[dict, Any]], call: ToolCall | BadToolCall) -> str:
+        if isinstance(call, BadToolCall):
+            return f"error: {call.reason}"
+        if call.name not in state:
+            return f"error: unknown tool {call.name!r}; available: {sorted(state)}"
+        params, impl = state[call.name]
+        problem = jsonschema.exceptions.best_match(
+            jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator)(params)
+            .iter_errors(call.arguments))
+        if problem is not None:
+            return f"error: invalid arguments for {call.name}: {problem.message}"
+        try:
+            return result_text(impl(**call.arguments), self.max_result_chars)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's observation, not a crash
+            return f"error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,39 @@
+"""A scripted environment for the episode tests (module level: worker processes import it by name).
+
+Every letter, digit or space ends a model turn (turns are short even for a random tiny model); the
+environment answers ``[obs k]`` as a user turn followed by the assistant prefix, gives 0.25 per step,
+and ends the episode at its ``turns``-th step. A row with ``"hang": true`` sleeps ``hang_s`` seconds in
+its second step (a tool that hangs).
+"""
+
+from __future__ import annotations
+
+import string
+import time
+
+from megatron_cascade.environments import EnvStep, Environment
+
+
+def observation(tokenizer, k: int) -> list[int]:
+    return [tokenizer.role_id("user")] + tokenizer.encode(f"[obs {k}]") + [tokenizer.eos_id,
+                                                                             tokenizer.role_id("assistant")]
+
+
+class ScriptedEnv(Environment):
+    stop_strings = tuple(string.ascii_letters + string.digits + " ")
+    metric_names = ("steps",)
+
+    def __init__(self, tokenizer, *, turns: int = 3, hang_s: float = 0.0) -> None:
+        super().__init__(tokenizer)
+        self.turns, self.hang_s = turns, hang_s
+
+    def start(self, row: dict) -> dict:
+        return {"row": row, "k": 0}
+
+    def step(self, state: dict, action_ids, action_text: str) -> EnvStep:
+        state["k"] += 1
+        if state["row"].get("hang") and state["k"] == 2:
+            time.sleep(self.hang_s)
+        if state["k"] >= self.turns:
+            return EnvStep(done=True, reward=0.25, metrics={"steps": 1.0})
+        return EnvStep(observation_ids=observation(self.tokenizer, state["k"]), reward=0.25, metrics={"steps": 1.0})
