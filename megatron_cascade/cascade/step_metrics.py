@@ -18,8 +18,8 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
 
     Args:
         total: global sums (``RolloutStage._rollout_sums`` keys, plus ``groups_trained``,
-            ``advantage_abs_sum``, ``samples_trained`` for GRPO and ``mopd_rkl_sum/*``,
-            ``mopd_tokens/*`` for MOPD).
+            ``advantage_abs_sum``, ``samples_trained`` for GRPO, ``mopd_rkl_sum/*``,
+            ``mopd_tokens/*`` for MOPD, and ``episode*`` keys for multi-turn environments).
         peaks: global maxima (``response_length_max``, ``sampling_rounds``).
         prompts_per_step: the stage's prompts per step (the batch dynamic sampling fills).
         teachers: MOPD teacher (stage name or folder) per domain; {} otherwise.
@@ -47,6 +47,27 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         out["batch/effective_frac"] = total["groups_trained"] / prompts_per_step
         out["advantage/abs_mean"] = _div(total["advantage_abs_sum"], total["samples_trained"])
     out.update(_reverse_kl(total, teachers))
+    if "episodes" in total:  # a stage with a multi-turn environment
+        out.update(_episode_metrics(total))
+    return out
+
+
+def _episode_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Multi-turn episodes: model turns per episode, environment metrics per episode (tool calls and
+    the fraction that ran), step timeouts and errors, and the reward per model turn (scored episodes:
+    the reward the advantages see over their turns)."""
+    episodes = total["episodes"]
+    out = {
+        "episode/turns_mean": _div(total["episode_turns"], episodes),
+        "episode/timeouts": total["episode_timeouts"],
+        "episode/env_errors": total["episode_env_errors"],
+        "episode/reward_per_turn": _div(total["episode_scored_reward"], total["episode_scored_turns"]),
+    }
+    for key in sorted(k for k in total if k.startswith("episode_metric/")):
+        out[f"episode/{key.split('/', 1)[1]}_mean"] = _div(total[key], episodes)
+    if "episode_metric/tool_calls" in total and "episode_metric/tool_calls_ok" in total:
+        out["episode/tool_call_success_frac"] = _div(total["episode_metric/tool_calls_ok"],
+                                                     total["episode_metric/tool_calls"])
     return out
 
 

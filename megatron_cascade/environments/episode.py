@@ -69,14 +69,17 @@ class Episode:
         return self.settings.max_episode_tokens - len(self.sample.response_ids)
 
     def add_turn(self, turn: RolloutSample) -> None:
-        """Append a model turn (its sampled tokens and log-probs, mask 1)."""
-        s = self.sample
-        s.response_ids += turn.response_ids
-        s.response_logprobs += turn.response_logprobs
-        s.sampled_logprobs += turn.sampled_logprobs
-        s.response_mask += [1] * len(turn.response_ids)
+        """Append a model turn (its sampled tokens and log-probs, mask 1), cut at what is left of
+        the episode's token budget (then its finish reason is "length"). Cutting afterwards is the
+        same as a smaller budget: a token's sampling does not depend on the budget."""
+        s, keep = self.sample, self.tokens_left
+        cut = len(turn.response_ids) > keep
+        s.response_ids += turn.response_ids[:keep]
+        s.response_logprobs += turn.response_logprobs[:keep]
+        s.sampled_logprobs += turn.sampled_logprobs[:keep]
+        s.response_mask += [1] * min(keep, len(turn.response_ids))
         s.turns += 1
-        s.finish_reason = turn.finish_reason
+        s.finish_reason = "length" if cut else turn.finish_reason
 
     def env_step(self, action_ids: list[int], action_text: str) -> EnvStep:
         """Start the episode's environment state on its first step, then step it (worker thread)."""

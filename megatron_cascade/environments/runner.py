@@ -2,8 +2,9 @@
 
 Turn 0 is exactly today's ``generate`` call (every prompt, ``n`` samples each, the step's seed), so
 single-turn domains sample the same tokens as before. Every later turn batches the next model turn of
-all live episodes into one ``generate`` call (n = 1 per episode, a seed per turn, each capped by what
-is left of its episode's token budget). An environment step starts the moment its episode's turn
+all live episodes into one ``generate`` call (n = 1 per episode, a seed per turn); a turn that runs
+past what is left of its episode's token budget is cut there afterwards (the same tokens as a smaller
+budget; ``generate`` has one budget per call, and its hybrid-model path no per-request one). An environment step starts the moment its episode's turn
 finishes decoding, in a daemon thread (``workers.Pending``), so tools run while other episodes still
 decode; after the call the runner waits for each step at most until its deadline. A step that
 overruns ends its episode (score 0), the others go on.
@@ -84,12 +85,10 @@ def run_episodes(
         if turn == 0:
             targets = list(range(len(episodes)))
             call_prompts = [list(p) for p in prompts]
-            caps = [min(params.max_new_tokens, s.max_episode_tokens) for s in settings]
             call_params = dataclasses.replace(params, stop_strings=stops)
         else:
             targets = live
             call_prompts = [episodes[i].context for i in live]
-            caps = [episodes[i].tokens_left for i in live]
             call_params = dataclasses.replace(params, n=1, stop_strings=stops,
                                               seed=(params.seed + turn * _TURN_SEED_STRIDE) % 2**63)
         pending: dict[int, Pending] = {}
@@ -102,7 +101,7 @@ def run_episodes(
             index = targets[call_index]
             ep = episodes[index]
             ep.add_turn(turn_sample)
-            if turn_sample.finish_reason == "length":  # the turn was cut: the episode is truncated
+            if ep.sample.finish_reason == "length":  # the turn was cut: the episode is truncated
                 ep.done = True
                 end(index)
             elif ep.settings.env.one_turn:  # single-turn rewards: scored while the others decode
@@ -114,7 +113,7 @@ def run_episodes(
                                          timeout_s=ep.settings.step_timeout_s)
 
         result = generate(model, call_prompts, call_params, tokenizer=tokenizer, kv_cache=kv_cache,
-                          max_sequence_length=limit, on_finished=on_turn, max_new_tokens_per_prompt=caps)
+                          max_sequence_length=limit, on_finished=on_turn)
         for call_index, turn_sample in enumerate(result):
             on_turn(call_index, turn_sample)
         stepped = sorted(i for i in targets if not episodes[i].done)

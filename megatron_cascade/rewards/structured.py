@@ -1,4 +1,5 @@
-"""``structured_output`` reward: the response is JSON that validates against ``sample["schema"]``.
+"""``structured_output`` reward: the response is JSON that validates against ``sample["schema"]``;
+``tool_calling`` reward: an episode's tool calls and final answer against the row's ground truth.
 
 The JSON may be bare or inside a ```json fence (the last fence wins). Validation uses the
 ``jsonschema`` validator class matching the schema's ``$schema`` (Draft 2020-12 default).
@@ -71,3 +72,69 @@ def structured_output_reward(response: str, sample: dict) -> float:
         return 1.0 if validator.is_valid(document) else 0.0
     except (ValueError, RecursionError):  # not JSON, or too deep to validate: the response's fault
         return 0.0
+
+
+def _without_blocks(text: str, open_tag: str, close_tag: str) -> str:
+    """``text`` with every ``open_tag ... close_tag`` block removed (an unclosed one to the end)."""
+    out, pos = [], 0
+    while (start := text.find(open_tag, pos)) >= 0:
+        out.append(text[pos:start])
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            return "".join(out)
+        pos = end + len(close_tag)
+    return "".join(out) + text[pos:]
+
+
+def _final_answer(transcript: str) -> str:
+    """The text of the last model turn: after the last tool response, tool-call blocks removed."""
+    cut = transcript.rfind("</tool_response>")
+    tail = transcript[cut + len("</tool_response>"):] if cut >= 0 else transcript
+    return " ".join(_without_blocks(tail, "<tool_call>", "</tool_call>").split())
+
+
+def _calls_score(transcript: str, expected: list) -> float:
+    """Expected calls matched (name and arguments equal, in any order, each used once) over
+    max(expected, made): extra, malformed or wrong calls all cost."""
+    from megatron_cascade.environments.tool_calls import ToolCall, parse_tool_calls
+
+    made = parse_tool_calls(_without_blocks(transcript, "<tool_response>", "</tool_response>"))
+    if not expected:
+        return 0.0 if made else 1.0
+    left = [c for c in made if isinstance(c, ToolCall)]
+    matched = 0
+    for want in expected:
+        if not isinstance(want, dict) or not isinstance(want.get("name"), str):
+            raise ValueError(f"expected_calls entry {want!r} must be {{'name': str, 'arguments': object}}")
+        hit = next((c for c in left if c.name == want["name"] and c.arguments == want.get("arguments", {})), None)
+        if hit is not None:
+            left.remove(hit)
+            matched += 1
+    return matched / max(len(expected), len(made))
+
+
+@register_reward("tool_calling")
+@run_in_process
+def tool_calling_reward(response: str, sample: dict) -> float:
+    """Tool use against the row's ground truth: the mean of the parts the row has.
+
+    * ``expected_calls`` (list of ``{"name", "arguments"}``): the calls of the whole episode
+      (``<tool_call>`` blocks outside tool responses) matched to them, see ``_calls_score``; an
+      empty list expects no call;
+    * ``answer``: 1 if the final answer (the text after the last ``</tool_response>``, calls
+      removed, whitespace collapsed) equals ``str(answer)``, else 0.
+
+    ``response`` is the episode's transcript after the prompt (model turns and tool responses).
+    A row with neither field is the dataset's fault (ValueError: a failed reward, not a 0).
+    """
+    parts = []
+    if "expected_calls" in sample:
+        expected = sample["expected_calls"]
+        if not isinstance(expected, list):
+            raise ValueError("expected_calls must be a list")
+        parts.append(_calls_score(response, expected))
+    if "answer" in sample:
+        parts.append(1.0 if _final_answer(response) == " ".join(str(sample["answer"]).split()) else 0.0)
+    if not parts:
+        raise ValueError("a tool_calling row needs 'expected_calls' and/or 'answer'")
+    return sum(parts) / len(parts)

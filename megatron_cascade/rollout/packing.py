@@ -4,7 +4,8 @@ Alignment convention (the trainer's): every ``[B, S]`` tensor except ``tokens`` 
 ``position_ids`` is aligned to the *logits* position ``t``, which predicts token ``t + 1``:
 
 * ``targets[b, t] = tokens[b, t + 1]`` (``pad_id`` in the last column and after the sequence);
-* ``loss_mask[b, t] = 1`` iff ``targets[b, t]`` is a response token;
+* ``loss_mask[b, t] = 1`` iff ``targets[b, t]`` is a response token the model sampled (a
+  multi-turn episode's observation tokens, ``response_mask`` 0, are context: mask 0);
 * ``inference_logprobs[b, t]`` = the rollout's log-prob of ``targets[b, t]`` (0 where masked).
 
 So for ``logits = model(tokens, position_ids)`` the trainer computes
@@ -69,7 +70,9 @@ def pack_rollouts(batch: RolloutBatch, *, pad_id: int, seq_length: Optional[int]
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[row, :p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         # Response token i sits at column p + i and is predicted at position p + i - 1.
-        loss_mask[row, p - 1:p - 1 + r] = 1.0
+        # An episode (environments.EpisodeSample) marks which response tokens were sampled.
+        sampled = getattr(s, "response_mask", None)
+        loss_mask[row, p - 1:p - 1 + r] = 1.0 if sampled is None else torch.tensor(sampled, dtype=torch.float32)
         values = s.response_logprobs if logprobs == "temperature" else s.sampled_logprobs
         inference_lp[row, p - 1:p - 1 + r] = torch.tensor(values, dtype=torch.float32)
     targets = torch.full_like(tokens, pad_id)

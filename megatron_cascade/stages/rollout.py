@@ -1,4 +1,5 @@
-"""Stages that train on their own samples: generation rounds, rewards scored while decoding, the
+"""Stages that train on their own samples: generation rounds (episodes in each domain's environment:
+one response for single-turn rewards, several turns for tool use), rewards scored while decoding, the
 overlong policy, and the rollout sums every such stage logs. Subclasses turn the chosen groups
 into a training batch (``train_batch``)."""
 
@@ -14,7 +15,9 @@ from megatron_cascade.algorithms import apply_overlong_policy, informative_group
 from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.groups import GroupRound, merge_groups, select_groups
 from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards, check_error_fraction
-from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+from megatron_cascade.environments.runner import run_episodes
+from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams
 from megatron_cascade.stages.base import StageType, StepBatch
 from megatron_cascade.training.policy import finish_param_sync
 
@@ -23,9 +26,18 @@ class RolloutStage(StageType):
     """Generate ``samples_per_prompt`` responses per prompt with the policy, score them (when the type
     has rewards), and train on them."""
 
+    multi_turn = False  # set by setup: a domain of the stage has a multi-turn environment
+    episode_metrics: list[str] = []  # set by setup: the metric names of those environments
+
     def setup(self) -> None:
         r = self.runner
         self.rewards = build_domain_rewards(r.cfg.domains, r.stage.domains) if self.entry.rewards else {}
+        self.episodes = domain_episode_settings(r.cfg.domains, list(r.stage.domains), r.tok,
+                                                r.stage.rollout.max_new_tokens)
+        # Stages with a multi-turn domain log episode metrics (keys the same on every rank).
+        self.episode_metrics = sorted({m for s in self.episodes.values() if not s.env.one_turn
+                                       for m in s.env.metric_names})
+        self.multi_turn = any(not s.env.one_turn for s in self.episodes.values())
 
     def make_batch(self, step: int, examples: list[Example]) -> StepBatch:
         timing = {"time/generation_s": 0.0, "time/reward_s": 0.0}
@@ -49,18 +61,20 @@ class RolloutStage(StageType):
                               max_new_tokens=ro.max_new_tokens, stop_strings=tuple(ro.stop_strings), n=n, seed=seed)
 
     def _generate_round(self, step: int, round: int, examples: list[Example], timing: dict) -> GroupRound:
-        """Generate G responses per prompt, score them (while decoding), apply the overlong policy."""
+        """Run G episodes per prompt (G responses for single-turn domains), score them (while
+        decoding), apply the overlong policy."""
         r = self.runner
         G = r.stage.samples_per_prompt
         t0 = time.perf_counter()
         finish_param_sync(r.policy)  # generation reads the weights of the last step
-        # Each sample is scored the moment it finishes, while the others decode on.
+        # Each episode is scored the moment it ends, while the others go on.
         scorer = RolloutScorer(self.rewards, r.cfg.domains, r.tok, [e.row for e in examples],
                                [e.domain for e in examples]) if self.entry.rewards else None
         with scorer or contextlib.nullcontext():
-            rollouts = generate(r.policy.module, [list(e.prompt_ids) for e in examples], self.sampling(step, G, round),
-                                tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
-                                on_finished=scorer.on_finished if scorer else None)
+            rollouts = run_episodes(r.policy.module, [list(e.prompt_ids) for e in examples], [e.row for e in examples],
+                                    [self.episodes[e.domain] for e in examples], self.sampling(step, G, round),
+                                    tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
+                                    on_episode_done=scorer.on_finished if scorer else None)
             timing["time/generation_s"] += time.perf_counter() - t0
             if scorer:
                 scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers
@@ -68,6 +82,7 @@ class RolloutStage(StageType):
             else:
                 scores = torch.zeros(len(rollouts), dtype=torch.float64)
                 errored = torch.zeros(len(rollouts), dtype=torch.bool)
+        scores, errored = episode_scores(rollouts.samples, scores, errored)
         if self.entry.rewards:
             # Before anything is trained on this step: every rank stops if the rewards largely failed.
             check_error_fraction(errored, [examples[s.prompt_index].domain for s in rollouts], r.cfg.domains,
@@ -121,7 +136,29 @@ class RolloutStage(StageType):
                     _add(sums, f"reward_sum/{domain}", float(reward[ok].sum()))
                     _add(sums, f"reward_sq_sum/{domain}", float((reward[ok] ** 2).sum()))
                     _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))
+            if self.multi_turn:
+                self._episode_sums(sums, rnd)
         return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds))}
+
+    def _episode_sums(self, sums: dict[str, float], rnd: GroupRound) -> None:
+        """Episode sums of a round: turns, environment metrics, step timeouts and errors, and the
+        reward over the turns of scored episodes (``episode/reward_per_turn``)."""
+        keys = ["episodes", "episode_turns", "episode_timeouts", "episode_env_errors", "episode_scored_turns",
+                "episode_scored_reward"] + [f"episode_metric/{name}" for name in self.episode_metrics]
+        for key in keys:  # every rank all-reduces the same keys
+            _add(sums, key, 0.0)
+        scored = ~rnd.errored
+        reward = rnd.rewards.flatten().to(torch.float64)
+        for i, s in enumerate(rnd.rollouts):
+            _add(sums, "episodes", 1.0)
+            _add(sums, "episode_turns", float(s.turns))
+            _add(sums, "episode_timeouts", float(s.timed_out))
+            _add(sums, "episode_env_errors", float(s.env_error is not None))
+            for name in self.episode_metrics:
+                _add(sums, f"episode_metric/{name}", float(s.metrics.get(name, 0.0)))
+            if self.entry.rewards and bool(scored[i]):
+                _add(sums, "episode_scored_turns", float(s.turns))
+                _add(sums, "episode_scored_reward", float(reward[i]))
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:

@@ -23,6 +23,7 @@ PROMPTS = [TOK.apply_chat_template([{"role": "user", "content": t}]) for t in ("
 ROWS = [{"id": 0}, {"id": 1}, {"id": 2, "hang": True}]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=7)
 TURNS = 3
+BUDGET = 10  # a token budget the scripted episodes run into
 
 
 def _settings(env, max_turns=4, budget=60, timeout=5.0) -> EpisodeSettings:
@@ -103,10 +104,12 @@ def reference_worker(weights_dir: str) -> dict:
     out["episodes"] = _summary(batch)
     out["reference"] = hand_reference(model)
     out["trainer"] = trainer_check(model, batch)
+    short = run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(ScriptedEnv(TOK, turns=TURNS), budget=BUDGET)] * 2,
+                         PARAMS, tokenizer=TOK)
+    out["short"] = _summary(short)
     single = run_episodes(model, PROMPTS, ROWS, [_settings(SingleTurnEnvironment(TOK), 1, PARAMS.max_new_tokens)] * 3,
                           PARAMS, tokenizer=TOK)
     out["single"] = _summary(single)
-    out["plain"] = {"response": [s.response_ids for s in generate(model, PROMPTS, PARAMS, tokenizer=TOK)]}
     plain = generate(model, PROMPTS, PARAMS, tokenizer=TOK)
     out["plain"] = {"response": [s.response_ids for s in plain], "logprobs": [s.response_logprobs for s in plain],
                     "finish": [s.finish_reason for s in plain]}

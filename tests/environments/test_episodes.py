@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_cascade.testing import run_distributed
-from episode_workers import PARAMS, PROMPTS, TURNS, reference_worker, tp_worker
+from episode_workers import BUDGET, PARAMS, PROMPTS, TURNS, reference_worker, tp_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -55,6 +55,17 @@ def test_packed_episode_masks_observations_and_matches_the_trainer(ref):
         assert [lp for lp, m in zip(inference, mask) if not m] == [0.0] * (len(mask) - sum(mask))
     assert check["masked_tokens"] >= 10
     assert check["max_diff"] < 1e-5
+
+
+def test_token_budget_cuts_an_episode_to_a_prefix(ref):
+    """environment.max_episode_tokens: tokens after the prompt, observations included; the turn that
+    crosses it is cut there (finish "length"): the same tokens as the unbounded episode's prefix."""
+    short, full = ref["short"], ref["episodes"]
+    assert any(f == "length" for f in short["finish"])
+    for response, mask, finish, whole in zip(short["response"], short["mask"], short["finish"], full["response"]):
+        assert len(response) <= BUDGET and len(mask) == len(response)
+        assert response == whole[:len(response)]
+        assert finish == "stop" or mask[-1] == 1  # a cut episode ends on a sampled token
 
 
 def test_single_turn_episodes_are_todays_generate(ref):
