@@ -4,7 +4,7 @@
     megatron-cascade stages CONFIG [key=value ...]        # <stage>\t<complete|partial|pending>
     megatron-cascade eval CONFIG [key=value ...] [--weights DIR]
     megatron-cascade report OUTPUT_DIR
-    megatron-cascade convert {hf-to-megatron,megatron-to-hf,reshard,nemo2-to-megatron,inspect} ...
+    megatron-cascade convert {hf-to-megatron,megatron-to-hf,reshard,nemo2-to-megatron,compare,inspect} ...
 
 Distributed runs take RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the launcher (torchrun, or
 slurm/stage.sbatch); without them a run is one process.

@@ -2,7 +2,7 @@
 """Convert checkpoints without the main CLI: ``python tools/convert_checkpoint.py <subcommand> ...``.
 
 Same subcommands and flags as ``megatron-cascade convert`` (see tools/README.md):
-hf-to-megatron, megatron-to-hf, reshard, nemo2-to-megatron, inspect.
+hf-to-megatron, megatron-to-hf, reshard, nemo2-to-megatron, compare, inspect.
 """
 
 import sys

@@ -1,4 +1,4 @@
-"""``megatron-cascade convert ...``: checkpoint conversion subcommands.
+"""``megatron-cascade convert ...``: checkpoint conversion subcommands (and ``compare``, the check of one).
 
 ``register(subparsers)`` adds the ``convert`` command to the main CLI; every subcommand sets
 ``args.func``: called with ``args``, it returns an exit status (0, or 2 after printing a
@@ -70,6 +70,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from megatron_cascade.convert.compare import compare_checkpoints
+
+    if args.tolerance < 0:
+        raise ConversionError(f"--tolerance={args.tolerance} must be >= 0")
+    result = compare_checkpoints(args.hf, args.ckpt, tokens=args.tokens, seed=args.seed)
+    print(result.summary())
+    if result.max_abs_diff > args.tolerance:
+        print(f"FAIL: the difference {result.max_abs_diff:.3e} is above --tolerance {args.tolerance:g}", file=sys.stderr)
+        return 1
+    print(f"OK: within --tolerance {args.tolerance:g}")
+    return 0
+
+
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``fn`` with a ``ConversionError`` turned into a one-line message on stderr and exit status 2."""
 
@@ -116,6 +130,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _add_layout(p)
     p.set_defaults(func=_guarded(_nemo2))
+
+    p = sub.add_parser("compare", help="run the HF and the Megatron checkpoint on the same tokens (CPU, fp32); "
+                                        "exit 1 if the max abs logit difference is above --tolerance")
+    p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory (loaded with transformers)")
+    p.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
+    p.add_argument("--tokens", type=int, default=32, help="random token ids to run (default 32)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest accepted max abs logit difference "
+                   "(default 1e-4: float32 conversions agree to ~1e-6; use ~1e-1 for a bf16 checkpoint)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
+    p.set_defaults(func=_guarded(_compare))
 
     p = sub.add_parser("inspect", help="config, tensor names/shapes/dtypes and totals (metadata only)")
     p.add_argument("path", help="Hugging Face, Megatron or NeMo 2 checkpoint directory")

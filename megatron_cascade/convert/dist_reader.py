@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
-from megatron_cascade.convert.dist_writer import METADATA_FILE, Placement, placement_of
+from megatron_cascade.convert.dist_writer import METADATA_FILE, Piece, Placement, piece_state_key, pieces_of
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
 from megatron_cascade.model.spec_layout import legacy_key
@@ -65,8 +65,13 @@ class DistCheckpointReader:
         self.ckpt_dir = ckpt_dir
         self.skeleton = skeleton
         self.metadata = read_dist_metadata(ckpt_dir).state_dict_metadata
-        self.placements = {name: self._stored_placement(placement_of(entry))
-                           for name, entry in skeleton.tensors.items()}
+        # A tensor is stored as one or more row ranges (pieces), each under its own checkpoint key or chunk.
+        self.pieces: dict[str, list[Piece]] = {
+            name: [replace(p, placement=self._stored_placement(p.placement)) for p in pieces_of(entry)]
+            for name, entry in skeleton.tensors.items()
+        }
+        self.placements = {piece_state_key(name, i): p.placement
+                           for name, pieces in self.pieces.items() for i, p in enumerate(pieces)}
         self._check_keys()
 
     def _stored_placement(self, place: Placement) -> Placement:
@@ -88,7 +93,7 @@ class DistCheckpointReader:
 
     def dtype_of(self, name: str) -> torch.dtype:
         """Stored dtype of tensor ``name``."""
-        return self.metadata[self.placements[name].key].properties.dtype
+        return self.metadata[self.pieces[name][0].placement.key].properties.dtype
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """{name: whole TP=1 tensor in its stored dtype} for the module names ``names``."""
@@ -101,7 +106,10 @@ class DistCheckpointReader:
         state = {}
         for name in names:
             shape = self.skeleton.local_shape(name)
-            state[name] = torch.empty((1,) * self.placements[name].prepend + shape, dtype=self.dtype_of(name))
+            for i, piece in enumerate(self.pieces[name]):
+                stored = self.metadata[piece.placement.key].properties.dtype
+                state[piece_state_key(name, i)] = torch.empty(
+                    (1,) * piece.placement.prepend + (piece.length, *shape[1:]), dtype=stored)
         reader = SafeFileSystemReader(self.ckpt_dir)  # the allow-listed .metadata, spans checked against files
         try:
             reader.read_metadata()
@@ -115,4 +123,15 @@ class DistCheckpointReader:
                 raise ConversionError(str(unsafe)) from None
             raise ConversionError(f"could not read {names[:3]} from {self.ckpt_dir}: {type(exc).__name__}: {exc}; "
                                   "a data file may be missing or truncated") from exc
-        return {name: state[name].reshape(self.skeleton.local_shape(name)) for name in names}
+        return {name: self._join(name, state) for name in names}
+
+    def _join(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The whole tensor ``name`` from its pieces in ``state`` (in the first piece's dtype)."""
+        shape = self.skeleton.local_shape(name)
+        pieces = self.pieces[name]
+        if len(pieces) == 1:
+            return state[piece_state_key(name, 0)].reshape(shape)
+        out = torch.empty(shape, dtype=self.dtype_of(name))
+        for i, piece in enumerate(pieces):
+            out.narrow(0, piece.start, piece.length).copy_(state[piece_state_key(name, i)].reshape(-1, *shape[1:]))
+        return out

@@ -55,7 +55,11 @@ class Placement:
 
 
 def placement_of(entry) -> Placement:
-    """The ``Placement`` of a skeleton entry (a ``ShardedTensor`` or a ``ShardedTensorFactory``)."""
+    """The ``Placement`` of a skeleton entry (a ``ShardedTensor`` or a ``ShardedTensorFactory``).
+
+    For a factory whose parts share one key (SwiGLU ``linear_fc1``) it covers all of them; for one that
+    splits into several keys (Mamba ``in_proj``), it is the first part's: use ``pieces_of`` to write.
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if isinstance(entry, ShardedTensor):
@@ -64,6 +68,44 @@ def placement_of(entry) -> Placement:
     parts = list(built.values()) if isinstance(built, dict) else list(built)
     offset = tuple(min(p.global_offset[i] for p in parts) for i in range(len(parts[0].global_offset)))
     return Placement(parts[0].key, tuple(parts[0].global_shape), offset, parts[0].prepend_axis_num)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, start + length)`` (dim 0) of a whole TP=1 tensor, stored at ``placement``."""
+
+    placement: Placement
+    start: int
+    length: int
+
+
+def pieces_of(entry) -> list[Piece]:
+    """Where each part of a skeleton entry is stored: one piece for a ``ShardedTensor``, one per part
+    for a ``ShardedTensorFactory`` (SwiGLU [gate; up] under one key; Mamba ``in_proj`` as z/x/B/C/dt and
+    ``conv1d`` as x/B/C under a key each, so that TP shards every part on its own).
+
+    The parts of a factory are row ranges of the whole tensor; the range is read from the view's
+    storage offset (the skeleton's tensors are contiguous, on the meta device).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return [Piece(placement_of(entry), 0, entry.data.shape[0])]
+    whole = entry.data
+    built = entry.build()
+    pieces = []
+    for part in (list(built.values()) if isinstance(built, dict) else list(built)):
+        if tuple(part.data.shape[1:]) != tuple(whole.shape[1:]) or part.data.storage_offset() % whole.stride(0):
+            raise ConversionError(f"{entry.key}: a checkpoint part that is not a row range of the tensor "
+                                  f"({tuple(part.data.shape)} of {tuple(whole.shape)}) is not supported")
+        place = Placement(part.key, tuple(part.global_shape), tuple(part.global_offset), part.prepend_axis_num)
+        pieces.append(Piece(place, part.data.storage_offset() // whole.stride(0), part.data.shape[0]))
+    return pieces
+
+
+def piece_state_key(name: str, index: int) -> str:
+    """The DCP state-dict key of piece ``index`` of tensor ``name`` inside a part file."""
+    return f"{name}#{index}"
 
 
 class DistCheckpointWriter:
@@ -75,7 +117,8 @@ class DistCheckpointWriter:
         self.skeleton = skeleton
         self.model = model
         self.dtype = dtype
-        self._placements: dict[str, Placement] = {}
+        self._placements: dict[str, Placement] = {}  # by piece state key
+        self._written: set[str] = set()
         self._parts: list[str] = []
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -85,17 +128,28 @@ class DistCheckpointWriter:
         unknown = sorted(set(tensors) - set(self.skeleton.tensors))
         if unknown:
             raise ConversionError(f"the model has no tensors named {unknown[:5]}")
-        again = sorted(set(tensors) & set(self._placements))
+        again = sorted(set(tensors) & self._written)
         if again:
             raise ConversionError(f"tensors written twice: {again[:5]}")
         state = {}
         for name, tensor in tensors.items():
-            entry = self.skeleton.with_data(name, tensor)  # shape check
-            place = placement_of(entry)
-            state[name] = tensor.to(self.dtype).reshape((1,) * place.prepend + tuple(tensor.shape))
-            self._placements[name] = place
+            self.skeleton.with_data(name, tensor)  # shape check
+            dtype = self._dtype_of(name)
+            for i, piece in enumerate(pieces_of(self.skeleton.tensors[name])):
+                rows = tensor.narrow(0, piece.start, piece.length).to(dtype)
+                key = piece_state_key(name, i)
+                state[key] = rows.reshape((1,) * piece.placement.prepend + tuple(rows.shape)).contiguous()
+                self._placements[key] = piece.placement
+            self._written.add(name)
         part = self._new_part()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(part, thread_count=1), no_dist=True)
+
+    def _dtype_of(self, name: str) -> torch.dtype:
+        """The checkpoint dtype; tensors a 16-bit model keeps in float32 (the router's ``expert_bias``,
+        which Megatron-Core holds in float32 so that its small updates are not rounded away) stay float32."""
+        if self.skeleton.tensors[name].data.dtype == torch.float32 and self.model.precision != "fp32":
+            return torch.float32
+        return self.dtype
 
     def _new_part(self) -> str:
         part = os.path.join(self.out_dir, _PARTS, str(len(self._parts)))
@@ -107,7 +161,7 @@ class DistCheckpointWriter:
         """Check every tensor was written, merge the parts and write ``model_config.json``."""
         from megatron.core import dist_checkpointing
 
-        missing = sorted(set(self.skeleton.tensors) - set(self._placements))
+        missing = sorted(set(self.skeleton.tensors) - self._written)
         if missing:
             raise ConversionError(f"conversion did not produce {len(missing)} tensors, e.g. {missing[:5]}")
         objects_part = os.path.join(self.out_dir, _PARTS, "objects")
@@ -138,7 +192,7 @@ def _read_part(part: str, tag: str, out_dir: str):
 
 
 def _merge_tensors(into, part, placements: dict[str, Placement]) -> None:
-    """Add the tensors of ``part`` (keyed by module name) to ``into`` as chunks of their checkpoint keys."""
+    """Add the tensors of ``part`` (keyed by piece state key) to ``into`` as chunks of their checkpoint keys."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     for name, item in part.state_dict_metadata.items():

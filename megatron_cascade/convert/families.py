@@ -1,7 +1,9 @@
-"""Supported Hugging Face model families and their tensor-name maps to Megatron-Core GPTModel names.
+"""Supported Hugging Face model families and their tensor-name maps to Megatron-Core module names.
 
-Megatron names are the module names of a TP=PP=EP=1 local-spec ``GPTModel`` (``model.state_dict()``
-keys); the checkpoint keys they map onto come from the model's ``sharded_state_dict``.
+Megatron names are the module names of a TP=PP=EP=1 local-spec ``GPTModel`` (Llama/Qwen families) or
+``MambaModel`` (``nemotron_h``, in ``convert/nemotron_h_names.py``); ``spec_names`` moves them onto the
+Transformer Engine spec's names when that spec built the model. The checkpoint keys they map onto
+come from the model's ``sharded_state_dict``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ class Family:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
+    hybrid: bool = False  # a Megatron-Core MambaModel (model.architecture: hybrid)
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "llama")
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True)
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True)
-FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE)
+NEMOTRON_H = Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", hybrid=True)
+FAMILIES = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, NEMOTRON_H)
 
 
 def family_by_architecture(architecture: str, source: str) -> Family:
@@ -42,6 +46,8 @@ def family_by_architecture(architecture: str, source: str) -> Family:
 
 def family_of_model(model: ModelConfig) -> Family:
     """The family a model config exports to when no Hugging Face config was recorded."""
+    if model.architecture == "hybrid":
+        return NEMOTRON_H
     if model.moe.num_experts:
         return QWEN3_MOE
     if model.qk_layernorm:
@@ -51,8 +57,26 @@ def family_of_model(model: ModelConfig) -> Family:
     return LLAMA
 
 
+def global_names(family: Family, model: ModelConfig) -> dict[str, str]:
+    """Megatron name -> HF name for the tensors outside the decoder layers of ``family``."""
+    if family.hybrid:
+        from megatron_cascade.convert.nemotron_h_names import nemotron_h_global_names
+
+        return nemotron_h_global_names(model)
+    return hf_global_names(model)
+
+
+def layer_names(family: Family, model: ModelConfig, layer: int) -> dict[str, str]:
+    """Megatron name -> HF name (or ``+``-joined HF names) for decoder layer ``layer`` of ``family``."""
+    if family.hybrid:
+        from megatron_cascade.convert.nemotron_h_names import nemotron_h_layer_names
+
+        return nemotron_h_layer_names(model, layer)
+    return hf_layer_names(family, model, layer)
+
+
 def hf_global_names(model: ModelConfig) -> dict[str, str]:
-    """Megatron name -> HF name for the tensors outside the decoder layers."""
+    """Megatron name -> HF name for the tensors outside the decoder layers (Llama/Qwen)."""
     names = {
         "embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "decoder.final_layernorm.weight": "model.norm.weight",
@@ -95,15 +119,23 @@ def hf_layer_names(family: Family, model: ModelConfig, layer: int) -> dict[str, 
 
 def all_hf_names(family: Family, model: ModelConfig) -> set[str]:
     """Every HF tensor name a checkpoint of this family and config must contain."""
-    out = set(hf_global_names(model).values())
+    out = set(global_names(family, model).values())
     for layer in range(model.num_layers):
-        for joined in hf_layer_names(family, model, layer).values():
+        for joined in layer_names(family, model, layer).values():
             out.update(joined.split("+"))
     return out
 
 
 def check_family_supported(family: Family, model: ModelConfig) -> None:
     """Raise if the model config needs features the family map does not cover."""
+    if family.hybrid or model.architecture == "hybrid":
+        from megatron_cascade.convert.nemotron_h_names import check_nemotron_h_supported
+
+        if not family.hybrid:
+            raise ConversionError(f"a hybrid (Mamba) model does not map onto {family.architecture}; "
+                                  f"export it as {NEMOTRON_H.architecture}")
+        check_nemotron_h_supported(model)
+        return
     if family.moe != bool(model.moe.num_experts):
         raise ConversionError(f"family {family.name} {'needs' if family.moe else 'cannot have'} MoE layers")
     if model.moe.shared_expert_intermediate_size:

@@ -77,6 +77,11 @@ def model_config_from_hf(
     ``precision`` (fp32|bf16|fp16) overrides the config's dtype; the default keeps it.
     """
     family = read_architecture(hf, source)
+    if family.hybrid:
+        from megatron_cascade.convert.nemotron_h_config import nemotron_h_model_config
+
+        return family, nemotron_h_model_config(hf, source, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                               precision=precision or hf_precision(hf, source))
     _refuse_unsupported(hf, family, source)
     try:
         heads = int(hf["num_attention_heads"])
@@ -96,7 +101,7 @@ def model_config_from_hf(
             add_qkv_bias=family.qkv_bias,
             qk_layernorm=family.qk_norm,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            precision=precision or _precision(hf, source),
+            precision=precision or hf_precision(hf, source),
         )
         if family.moe:
             cfg.moe = MoEConfig(
@@ -111,7 +116,8 @@ def model_config_from_hf(
     return family, cfg
 
 
-def _precision(hf: dict[str, Any], source: str) -> str:
+def hf_precision(hf: dict[str, Any], source: str) -> str:
+    """The precision (fp32|bf16|fp16) of an HF config's ``torch_dtype`` / ``dtype`` (default float32)."""
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if dtype not in HF_DTYPES:
         raise ConversionError(f"{source}: dtype {dtype!r} is not one of {list(HF_DTYPES)}; pass --precision")
@@ -125,6 +131,12 @@ def hf_config_from_model(
 
     ``dtype`` is the precision of the written tensors (fp32|bf16|fp16).
     """
+    if family.hybrid:
+        from megatron_cascade.convert.nemotron_h_config import nemotron_h_hf_config
+
+        hf = nemotron_h_hf_config(model, template)
+        _set_dtype(hf, template, dtype)
+        return hf
     hf = copy.deepcopy(template) if template else {}
     hf.update(
         architectures=[family.architecture],
@@ -144,14 +156,19 @@ def hf_config_from_model(
     if template is None or "head_dim" in template or head_dim * model.num_attention_heads != model.hidden_size:
         hf["head_dim"] = head_dim
     _set_rope_theta(hf, model.rotary_base)
-    hf.pop("dtype", None)
-    hf["torch_dtype" if template is None or "torch_dtype" in template else "dtype"] = PRECISION_TO_HF[dtype]
+    _set_dtype(hf, template, dtype)
     if family is QWEN3_MOE:
         experts_key = "num_local_experts" if "num_local_experts" in hf and "num_experts" not in hf else "num_experts"
         hf[experts_key] = model.moe.num_experts
         hf.update(num_experts_per_tok=model.moe.router_topk, moe_intermediate_size=model.moe.ffn_hidden_size,
                   norm_topk_prob=not model.moe.router_pre_softmax, decoder_sparse_step=1, mlp_only_layers=[])
     return hf
+
+
+def _set_dtype(hf: dict[str, Any], template: dict[str, Any] | None, dtype: str) -> None:
+    """The dtype key: ``torch_dtype`` unless the template used transformers 5's ``dtype``."""
+    hf.pop("dtype", None)
+    hf["torch_dtype" if template is None or "torch_dtype" in template else "dtype"] = PRECISION_TO_HF[dtype]
 
 
 def _set_rope_theta(hf: dict[str, Any], theta: float) -> None:

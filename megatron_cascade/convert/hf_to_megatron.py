@@ -7,14 +7,14 @@ import os
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.dist_writer import DistCheckpointWriter
 from megatron_cascade.convert.errors import ConversionError
-from megatron_cascade.convert.families import (
-    Family, all_hf_names, check_family_supported, hf_global_names, hf_layer_names,
-)
-from megatron_cascade.convert.hf_config import TORCH_DTYPES, model_config_from_hf
+from megatron_cascade.convert.families import Family, all_hf_names, check_family_supported, global_names, layer_names
+from megatron_cascade.convert.hf_config import TORCH_DTYPES, hf_precision, model_config_from_hf
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files, read_hf_config
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
 from megatron_cascade.convert.safetensors_io import SafetensorsReader
+from megatron_cascade.convert.spec_names import resolve_spec_names
+from megatron_cascade.convert.tensor_dtypes import write_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_megatron
 
 # Tensors HF checkpoints may carry that the model recomputes (ignored on import).
@@ -36,8 +36,8 @@ def hf_to_megatron(
     The checkpoint loads at any TP/PP/EP layout; ``tp``/``pp``/``ep`` are only validated against the
     config (so a layout that cannot work fails now, not at training time). Embedding and output
     rows are zero-padded from ``vocab_size`` to the padded vocab size. ``precision`` (fp32|bf16|fp16)
-    casts the weights; default: the HF config's dtype. ``out_dir/hf/`` keeps config.json and the
-    tokenizer files for the way back. Returns the model config written to ``model_config.json``.
+    casts the weights; default: the HF config's dtype. ``out_dir/hf/`` keeps config.json, the
+    tokenizer files and the dtypes of tensors stored in another dtype (``tensor_dtypes``) for the way back. Returns the model config written to ``model_config.json``.
     Peak memory: about one decoder layer (plus the embedding when it is written).
     """
     config, config_path = read_hf_config(hf_dir)
@@ -50,12 +50,15 @@ def hf_to_megatron(
     with megatron_runtime():
         skeleton = build_skeleton(model)
         writer = DistCheckpointWriter(out_dir, skeleton, model, TORCH_DTYPES[model.precision])
-        for meg, hf in hf_global_names(model).items():
+        for meg, hf in resolve_spec_names(global_names(family, model), skeleton.tensors).items():
             writer.write(_convert({meg: hf}, weights, model))
         for layer in range(model.num_layers):
-            writer.write(_convert(hf_layer_names(family, model, layer), weights, model))
+            writer.write(_convert(resolve_spec_names(layer_names(family, model, layer), skeleton.tensors), weights,
+                                  model))
         writer.finish()
     copy_side_files(hf_dir, os.path.join(out_dir, HF_SUBDIR), include_config=True)
+    write_source_dtypes(weights, all_hf_names(family, model), TORCH_DTYPES[hf_precision(config, config_path)],
+                        TORCH_DTYPES[model.precision], out_dir)
     return model
 
 

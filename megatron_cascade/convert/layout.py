@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_cascade.config.model import ModelConfig
+from megatron_cascade.config.model import ConfigError, ModelConfig, validate_hybrid_layout
 from megatron_cascade.convert.errors import ConversionError
 
 
@@ -18,10 +18,13 @@ def validate_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -
     groups = model.num_query_groups or model.num_attention_heads
     checks = [
         ("--tp", tp, "num_attention_heads", model.num_attention_heads),
-        ("--tp", tp, "num_query_groups (key/value heads)", groups),
         ("--tp", tp, "padded vocab size", model.padded_vocab_size),
         ("--pp", pp, "num_layers", model.num_layers),
     ]
+    if model.architecture == "hybrid":
+        _validate_hybrid(model, tp, groups)
+    else:
+        checks.insert(1, ("--tp", tp, "num_query_groups (key/value heads)", groups))
     if ep > 1 and not model.moe.num_experts:
         raise ConversionError(f"--ep={ep} needs an MoE model; this model is dense (use --ep 1)")
     if model.moe.num_experts:
@@ -29,3 +32,15 @@ def validate_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -
     for flag, size, what, value in checks:
         if value % size:
             raise ConversionError(f"{flag}={size} does not divide the model's {what}={value}; pick another {flag}")
+
+
+def _validate_hybrid(model: ModelConfig, tp: int, groups: int) -> None:
+    """TP splits whole Mamba groups and heads (so TP <= mamba_num_groups); key/value heads are split, or
+    replicated when TP is a multiple of their number (Megatron-Core's attention allows both)."""
+    try:
+        validate_hybrid_layout(model, tp, 1)
+    except ConfigError as exc:
+        raise ConversionError(f"--tp={tp}: {exc}") from None
+    if groups % tp and tp % groups:
+        raise ConversionError(f"--tp={tp} is neither a divisor nor a multiple of the model's num_query_groups "
+                              f"(key/value heads)={groups}; pick another --tp")

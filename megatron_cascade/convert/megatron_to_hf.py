@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.config.model import FP8Config, ModelConfig, MoEConfig
+from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.dist_reader import DistCheckpointReader
 from megatron_cascade.convert.dist_writer import ensure_empty_dir
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.families import (
-    check_family_supported, family_by_architecture, family_of_model, hf_global_names, hf_layer_names,
+    check_family_supported, family_by_architecture, family_of_model, global_names, layer_names,
 )
 from megatron_cascade.convert.hf_config import TORCH_DTYPES, hf_config_from_model
 from megatron_cascade.convert.hf_files import HF_SUBDIR, CONFIG_FILE, copy_side_files, write_hf_config
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
 from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter, parse_size
+from megatron_cascade.convert.spec_names import resolve_spec_names
+from megatron_cascade.convert.tensor_dtypes import DtypeRecord, read_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_hf
 from megatron_cascade.model.checkpoint import CheckpointError, read_model_config
 
@@ -29,8 +33,9 @@ def load_model_config(ckpt_dir: str) -> ModelConfig:
     except (CheckpointError, KeyError) as exc:
         raise ConversionError(f"{ckpt_dir}: no usable model_config.json ({exc}); "
                               "it was not written by megatron-cascade") from exc
-    raw["moe"] = MoEConfig(**raw.get("moe", {}))
-    raw["fp8"] = FP8Config(**raw.get("fp8", {}))
+    for f in dataclasses.fields(ModelConfig):  # nested sections (moe, fp8, hybrid) back into dataclasses
+        if f.default_factory is not dataclasses.MISSING and isinstance(raw.get(f.name), dict):
+            raw[f.name] = type(f.default_factory())(**raw[f.name])
     return ModelConfig(**raw)
 
 
@@ -45,8 +50,8 @@ def _source_hf_config(ckpt_dir: str) -> dict | None:
 def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max_shard_size: str | int = "5GB") -> str:
     """Convert the Megatron checkpoint in ``ckpt_dir`` to a Hugging Face checkpoint in ``out_dir``.
 
-    ``dtype`` (fp32|bf16|fp16) casts the tensors; default: the dtype they are stored in. Vocab
-    padding rows are dropped. Shards hold at most ``max_shard_size`` bytes ('5GB', '500MB', int).
+    ``dtype`` (fp32|bf16|fp16) casts every tensor; default: each tensor in the dtype the HF import
+    recorded for it (``tensor_dtypes``), else in the dtype it is stored in. Vocab padding rows are dropped. Shards hold at most ``max_shard_size`` bytes ('5GB', '500MB', int).
     The family comes from the HF config recorded at import (``ckpt_dir/hf/config.json``), else
     from the model config (MoE -> Qwen3-MoE, q/k norm -> Qwen3, qkv bias -> Qwen2, else Llama).
     Returns the architecture written. Peak memory: one shard plus one decoder layer.
@@ -60,11 +65,13 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max
         reader = DistCheckpointReader(ckpt_dir, build_skeleton(model))
         stored = reader.dtype_of("embedding.word_embeddings.weight")
         target = TORCH_DTYPES[dtype] if dtype else stored
+        dtypes = _DtypeRule(TORCH_DTYPES[dtype] if dtype else None, read_source_dtypes(ckpt_dir))
         writer = ShardedSafetensorsWriter(out_dir, parse_size(max_shard_size))
-        for meg, hf in hf_global_names(model).items():
-            _export({meg: hf}, reader, writer, model, target)
+        tensors = reader.skeleton.tensors
+        for meg, hf in resolve_spec_names(global_names(family, model), tensors).items():
+            _export({meg: hf}, reader, writer, model, dtypes)
         for layer in range(model.num_layers):
-            _export(hf_layer_names(family, model, layer), reader, writer, model, target)
+            _export(resolve_spec_names(layer_names(family, model, layer), tensors), reader, writer, model, dtypes)
         writer.finish()
     precision = {v: k for k, v in TORCH_DTYPES.items()}[target]
     write_hf_config(out_dir, hf_config_from_model(model, family, template, precision))
@@ -72,10 +79,24 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max
     return family.architecture
 
 
+@dataclass(frozen=True)
+class _DtypeRule:
+    """The dtype each HF tensor is written in: ``forced`` (``--dtype``), else the one the HF import
+    recorded, else the dtype it is stored in (lossless: float32 where Megatron keeps float32)."""
+
+    forced: torch.dtype | None
+    recorded: DtypeRecord | None
+
+    def of(self, hf_name: str, stored: torch.dtype) -> torch.dtype:
+        if self.forced is not None:
+            return self.forced
+        return self.recorded.of(hf_name) if self.recorded is not None else stored
+
+
 def _export(names: dict[str, str], reader: DistCheckpointReader, writer: ShardedSafetensorsWriter,
-            model: ModelConfig, dtype: torch.dtype) -> None:
+            model: ModelConfig, dtypes: _DtypeRule) -> None:
     tensors = reader.read(list(names))
     for meg, joined in names.items():
         hf_names = joined.split("+")
         for name, part in zip(hf_names, to_hf(meg, tensors[meg], len(hf_names), model)):
-            writer.add(name, part.to(dtype))
+            writer.add(name, part.to(dtypes.of(name, part.dtype)))
