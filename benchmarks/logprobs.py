@@ -11,6 +11,13 @@ in backward) against the naive path (logits = hidden @ W.T, log_softmax, gather)
 [tokens, --hidden] and a weight [vocab, --hidden], fp32: peak above the inputs and median time, values
 and gradients compared; then at TP=2 (two gloo processes, each its vocabulary half of the weight)
 against Megatron-Core's vocab_parallel_cross_entropy on each rank's materialised logits.
+
+``--only step`` measures one training step (``train_step``: forward, backward, optimizer) of a small
+GPT with a large vocabulary (``--step-layers`` x ``--step-hidden``, vocab ``--vocab``, one sequence of
+``--step-seq`` tokens, fp32, one gloo process) with the fused log-prob head (``LossSpec.output_head=
+"fused"``) and with the logits path (``"logits"``): peak RSS above the process's RSS after a warm-up
+step on a short batch (parameters, gradient buffers and Adam state allocated), each head alone in a
+fresh process; time, the two heads alternating in one process; loss and gradient norm compared.
 """
 
 from __future__ import annotations
@@ -211,6 +218,75 @@ def fused_section(tokens: int, hidden: int, vocab: int, repeats: int, tp: int, n
           "time of one pass, the two variants alternating in one process (after a warm-up round).")
 
 
+def _step_setup(layers: int, hidden: int, vocab: int, seq: int):
+    """(policy, spec per head, batch of one ``seq``-token sequence, warm-up batch of 16 tokens)."""
+    from megatron_cascade.config import ModelConfig, ParallelConfig
+    from megatron_cascade.config.training import LossConfig, OptimizerConfig
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import LossSpec, TrainBatch, build_policy
+
+    model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
+                        ffn_hidden_size=4 * hidden, vocab_size=vocab, make_vocab_size_divisible_by=128,
+                        max_position_embeddings=max(4096, seq))
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    policy = build_policy(model, ParallelConfig(), OptimizerConfig(lr=1e-5), total_steps=100)
+
+    def batch(length: int):
+        gen = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, vocab, (1, length + 1), generator=gen)
+        mask = torch.zeros(1, length)
+        mask[:, length // 4:] = 1  # a prompt quarter, then the response
+        return TrainBatch(ids[:, :-1], ids[:, 1:], mask, advantages=torch.ones(1),
+                          inference_logprobs=torch.full((1, length), -10.0))
+
+    specs = {head: LossSpec("grpo", LossConfig(), vocab_size=vocab, output_head=head) for head in ("logits", "fused")}
+    return policy, specs, batch(seq), batch(16)
+
+
+def _step_worker(task: str, heads: tuple, layers: int, hidden: int, vocab: int, seq: int, repeats: int):
+    """memory: (extra peak bytes, loss, grad norm) of one step with heads[0]; time: {head: median s}."""
+    from megatron_cascade.config.training import TrainingConfig
+    from megatron_cascade.training import train_step
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    policy, specs, batch, warm = _step_setup(layers, hidden, vocab, seq)
+    training = TrainingConfig(micro_batch_size=1)
+    for head in heads:  # warm-up: Adam state, imports, both heads' code paths
+        train_step(policy, warm, specs[head], training)
+    if task == "memory":
+        baseline = psutil.Process().memory_info().rss
+        metrics = train_step(policy, batch, specs[heads[0]], training)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, peak - baseline), metrics["loss"], metrics["grad_norm"]
+    times = {head: [] for head in heads}
+    for _ in range(repeats):
+        for head in heads:
+            start = time.perf_counter()
+            train_step(policy, batch, specs[head], training)
+            times[head].append(time.perf_counter() - start)
+    return {head: statistics.median(t) for head, t in times.items()}
+
+
+def step_section(layers: int, hidden: int, vocab: int, seq: int, repeats: int) -> None:
+    """One train_step of a small GPT, fused log-prob head vs the logits path (TP=1, fp32)."""
+    from megatron_cascade.testing import run_distributed
+
+    args = (layers, hidden, vocab, seq, repeats)
+    print(f"\ntrain step: GPT {layers} layers x hidden {hidden}, vocab {vocab}, 1 x {seq} tokens, fp32, GRPO, TP=1 "
+          f"(one copy of the logits: {seq * vocab * 4 / 2**20:.0f} MiB)")
+    mem = {head: run_distributed(_step_worker, 1, "memory", (head,), *args, timeout_s=3600)[0]
+           for head in ("logits", "fused")}
+    times = run_distributed(_step_worker, 1, "time", ("logits", "fused"), *args, timeout_s=3600)[0]
+    print(f"{'head':<8}{'peak MiB':>10}{'s/step':>9}{'loss':>14}{'grad norm':>14}")
+    for head in ("logits", "fused"):
+        extra, loss, norm = mem[head]
+        print(f"{head:<8}{extra / 2**20:>10.0f}{times[head]:>9.2f}{loss:>14.7f}{norm:>14.7f}")
+    ratio_mem = mem["fused"][0] / max(mem["logits"][0], 1)
+    print(f"fused / logits: memory {ratio_mem:.3f}x, time {times['fused'] / times['logits']:.2f}x. MiB = peak RSS "
+          "above the RSS after a warm-up step (each head alone in a fresh process); s = median wall time of a "
+          "step, the heads alternating in one process (steps change the weights: losses are of the first step).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -219,10 +295,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the fused section")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the fused section's second run "
                         "(1 = skip it)")
-    parser.add_argument("--only", choices=("all", "logits", "fused"), default="all",
-                        help="logits: the sections on given logits; fused: fused_output_logprobs vs naive")
+    parser.add_argument("--only", choices=("all", "logits", "fused", "step"), default="all",
+                        help="logits: the sections on given logits; fused: fused_output_logprobs vs naive; "
+                        "step: one training step, fused head vs logits path")
+    parser.add_argument("--step-seq", type=int, default=2048, help="tokens of the step section's sequence")
+    parser.add_argument("--step-layers", type=int, default=2)
+    parser.add_argument("--step-hidden", type=int, default=256)
     parser.add_argument("--fused-first", action="store_true", help="run the fused variant before the naive one")
     args = parser.parse_args()
+    if args.only in ("all", "step"):
+        step_section(args.step_layers, args.step_hidden, args.vocab, args.step_seq, args.repeats)
+    if args.only == "step":
+        return
     if args.only in ("all", "fused"):
         fused_section(args.tokens, args.hidden, args.vocab, args.repeats, args.tp, not args.fused_first)
     if args.only == "fused":
