@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.environments.base import build_environment
 from megatron_cascade.environments.episode import EpisodeSample, EpisodeSettings
@@ -15,15 +16,17 @@ from megatron_cascade.tokenizers.base import Tokenizer
 
 def domain_episode_settings(domains: Mapping[str, DomainConfig], names: Sequence[str], tokenizer: Tokenizer,
                             max_new_tokens: int) -> dict[str, EpisodeSettings]:
-    """Per named domain its environment (built now: an unknown name or kwarg fails before the first
-    step, naming ``domains.<d>.environment``) and budgets (``max_new_tokens``: per turn)."""
+    """Per named domain its environment and budgets (``max_new_tokens``: per turn). Built now: an
+    unknown name or kwarg, or a tool that cannot load, is a ``ConfigError`` naming
+    ``domains.<d>.environment`` before the first step."""
     out = {}
     for name in names:
         spec = domains[name].environment
         try:
             env = build_environment(spec.name, spec.kwargs, tokenizer)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise type(exc)(f"domains.{name}.environment: {exc}") from exc
+        except (KeyError, TypeError, ValueError, ImportError) as exc:
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise ConfigError(f"domains.{name}.environment: {message}") from exc
         turns = 1 if env.one_turn else spec.max_turns
         budget = spec.max_episode_tokens or turns * max_new_tokens
         out[name] = EpisodeSettings(env, turns, budget, spec.step_timeout_s)
