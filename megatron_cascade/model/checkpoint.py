@@ -38,6 +38,8 @@ _NON_ARCHITECTURE_FIELDS = {
 _NON_ARCHITECTURE_MOE_FIELDS = {
     "token_dispatcher_type", "grouped_gemm", "aux_loss_coeff", "router_load_balancing_type", "router_bias_update_rate",
 }
+# The scan's chunk size changes float rounding only (hybrid models).
+_NON_ARCHITECTURE_HYBRID_FIELDS = {"mamba_chunk_size"}
 
 
 class CheckpointError(RuntimeError):
@@ -48,6 +50,7 @@ def architecture_of(model: ModelConfig) -> dict[str, Any]:
     """The fields of ``model`` that a checkpoint's tensors depend on."""
     arch = {k: v for k, v in asdict(model).items() if k not in _NON_ARCHITECTURE_FIELDS}
     arch["moe"] = {k: v for k, v in arch["moe"].items() if k not in _NON_ARCHITECTURE_MOE_FIELDS}
+    arch["hybrid"] = {k: v for k, v in arch["hybrid"].items() if k not in _NON_ARCHITECTURE_HYBRID_FIELDS}
     arch["padded_vocab_size"] = model.padded_vocab_size
     return arch
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_cascade.rollout.batch import RolloutBatch, RolloutSample
 from megatron_cascade.rollout.engine import PagedGenerator
-from megatron_cascade.rollout.model_runner import unwrap_model
+from megatron_cascade.rollout.model_runner import is_hybrid, unwrap_model
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.stage_forward import sequence_parallel_off
 from megatron_cascade.rollout.static import generate_static
@@ -48,9 +48,11 @@ def generate(
             fills the static path's padding.
         max_sequence_length: prompt + response limit in tokens; default the model's
             ``max_sequence_length`` (``model.max_position_embeddings``).
-        use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``);
-            False: the static batch recomputing the whole prefix every token (the reference; no
-            expert-parallel lockstep, so not for MoE with experts across data-parallel ranks).
+        use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``); for a
+            hybrid (Mamba) model, static batches per prompt length over Megatron's static context,
+            which also caches the SSM states (``static.py``; ``kv_cache`` and
+            ``overlap_pipeline_stages`` do not apply). False: the static batch recomputing the whole
+            prefix every token (the reference).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
             half the free memory); requests that do not fit wait, one that never can is refused.
         on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
@@ -78,7 +80,11 @@ def generate(
     budgets = _budgets(samples, params.max_new_tokens, limit)
     stats = None
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
-        if use_kv_cache:
+        if use_kv_cache and is_hybrid(model):
+            # The paged engine keeps no SSM state; the static context does (model_runner.py).
+            generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=True,
+                            on_finished=on_finished)
+        elif use_kv_cache:
             engine = PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
                                     on_finished, overlap_pipeline_stages)
             # The model and KV cache exist: decoding creates no CUDA-device tensors, so CPU mode's
@@ -86,7 +92,7 @@ def generate(
             with device_rewrite_paused():
                 engine.run()
             stats = engine.stats
-        elif samples:
+        else:  # also with no samples: the expert-parallel lockstep needs every rank
             generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=False,
                             on_finished=on_finished)
     return RolloutBatch(samples, params, stats)

@@ -10,6 +10,11 @@ this runner advances after every step (Megatron's own generation controller does
 With ``use_kv_cache=False`` every step runs the full prefix with no context: the reference the
 cached path is tested against, and the baseline of the benchmark.
 
+Hybrid (Mamba) models keep their SSM state in the same context: each Mamba layer stores a conv
+state ``[B, conv_channels, kernel]`` and an SSM state ``[B, heads, head_dim, state]`` under its
+layer number (Megatron's ``MambaMixer._get_states_from_cache``); the prefill writes them, each decode
+step advances them by one token.
+
 Pipeline parallelism: the stages run one after another for each step. A stage receives the
 hidden states ``[s, B, hidden]`` of the previous stage (``recv``), runs its layers (each stage
 caches the K/V of its own layers) and sends its output on; the last stage returns logits.
@@ -32,13 +37,22 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model is a hybrid ``MambaModel`` (on any pipeline stage, Mamba layers or not)."""
+    return bool(getattr(unwrap_model(model).config, "is_hybrid_model", False))
+
+
 def accepts_padding_mask(model: torch.nn.Module) -> bool:
     """Whether every attention layer is Megatron's local ``DotProductAttention``, which applies an
     arbitrary boolean mask. Transformer Engine's attention reads masks by mask type (and ignores
     them under the ``no_mask`` type Megatron switches to when decoding), so it gets no padding.
+    Nor does a hybrid model: a Mamba layer's recurrence runs over every token it is given, padding
+    included (no mask reaches it), so its rows are batched by prompt length instead.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    if is_hybrid(model):
+        return False
     cores = [m.core_attention for m in unwrap_model(model).modules() if hasattr(m, "core_attention")]
     return all(isinstance(c, DotProductAttention) for c in cores)
 

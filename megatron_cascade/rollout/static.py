@@ -8,6 +8,11 @@ one cache sized to the batch's longest row), the baseline of ``benchmarks/genera
 Prompts of different lengths are left-padded into one batch (see ``layout.py``); with attention
 that cannot take a padding mask (Transformer Engine) they are batched by prompt length instead.
 Finished rows keep decoding (the batch shape is static); their tokens are no longer recorded.
+
+Hybrid (Mamba) models generate here with ``use_kv_cache=True``: the static context also holds each
+Mamba layer's conv and SSM state (``model_runner.py``), and rows are batched by prompt length (a
+Mamba layer cannot mask left padding). With expert parallelism the ranks of an expert-parallel group
+step together (``_ExpertLockstep``), as in the paged engine.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_cascade.rollout.batch import RolloutSample
 from megatron_cascade.rollout.comm import share_step
@@ -39,15 +45,58 @@ def generate_static(model: torch.nn.Module, samples: list[RolloutSample], params
     stop = StopCriteria(params, tokenizer)
     keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
                         dtype=torch.int64, device=device)
+    lockstep = _ExpertLockstep.for_model(model)
     for group in _batches(rows, accepts_padding_mask(model)):
         batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
         runner = StepRunner(model, batch, use_kv_cache)
-        _decode_loop(runner, batch, group, samples, params, stop, keys[group], tokenizer.vocab_size, on_finished)
+        _decode_loop(runner, batch, group, samples, params, stop, keys[group], tokenizer.vocab_size, on_finished,
+                     lockstep)
+    if lockstep is not None:
+        lockstep.finish()
+
+
+class _ExpertLockstep:
+    """MoE all-to-alls need every rank of the expert-parallel group in every forward, but data-parallel
+    replicas batch different prompts (other lengths, other counts). Before each forward, one
+    all-reduce (MAX over the EP group) of "I have a step to run"; a rank whose batches are done runs
+    dummy forwards (``StageForward.dummy``: padding tokens, no cache) until no rank has work left."""
+
+    def __init__(self, model: torch.nn.Module, group) -> None:
+        from megatron_cascade.rollout.stage_forward import StageForward
+
+        self.group = group
+        self.forward = StageForward(model)
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> Optional["_ExpertLockstep"]:
+        """The lockstep of ``model``'s EP group, or None without expert parallelism."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_world_size() == 1:
+            return None
+        return cls(model, ps.get_expert_model_parallel_group())
+
+    def _any(self, has_work: bool) -> bool:
+        flag = torch.tensor([int(has_work)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def before_step(self) -> None:
+        """This rank runs a real forward next (the others learn that someone has work)."""
+        self._any(True)
+
+    def finish(self) -> None:
+        """Dummy forwards while any other rank still has steps; returns when none has."""
+        while self._any(False):
+            self.forward.dummy()
 
 
 def _batches(rows: Sequence[Sequence[int]], padding_ok: bool) -> list[list[int]]:
     """Row indices per forward batch: all rows at once (left-padded), or one batch per prompt
     length where the attention cannot mask padding (no padding is then needed)."""
+    if not rows:
+        return []
     if padding_ok:
         return [list(range(len(rows)))]
     by_length: dict[int, list[int]] = {}
@@ -58,10 +107,12 @@ def _batches(rows: Sequence[Sequence[int]], padding_ok: bool) -> list[list[int]]
 
 def _decode_loop(runner: StepRunner, batch: PaddedBatch, group: list[int], samples: list[RolloutSample],
                  params: SamplingParams, stop: StopCriteria, keys: torch.Tensor, vocab_size: int,
-                 on_finished: Optional[OnFinished]) -> None:
+                 on_finished: Optional[OnFinished], lockstep: Optional[_ExpertLockstep] = None) -> None:
     """Sample column after column until every row of ``group`` is finished."""
     active = set(range(batch.batch_size))
     for column in range(batch.prompt_width, batch.max_length):
+        if lockstep is not None:
+            lockstep.before_step()
         logits = runner.step(column)
         local = None
         if logits is not None:
