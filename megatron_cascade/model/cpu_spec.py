@@ -78,6 +78,7 @@ class _AllGatherKeysValues(torch.autograd.Function):
 def _local_attention_class():
     """``LocalPackedAttention``, built on first use (importing this module does not import Megatron)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
 
     class LocalPackedAttention(DotProductAttention):
         """Megatron-Core's local ``DotProductAttention`` plus packed (THD) rows and context parallelism
@@ -104,8 +105,8 @@ def _local_attention_class():
                 if self.cp_size > 1:
                     raise ValueError("context parallelism on the local (CPU) attention needs packed (THD) rows: "
                                      "run training through training.step (it packs under CP)")
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias)
+                return super().forward(query, key, value, self._causal_mask(query, key, attention_mask),
+                                       attn_mask_type=attn_mask_type, attention_bias=attention_bias)
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported")
             cu = packed_seq_params.cu_seqlens_q_padded
@@ -116,10 +117,20 @@ def _local_attention_class():
             outputs, start = [], 0
             for length in segments:
                 piece = slice(start, start + length)
-                outputs.append(super().forward(query[piece].unsqueeze(1), key[piece].unsqueeze(1),
-                                               value[piece].unsqueeze(1), None))
+                q, k = query[piece].unsqueeze(1), key[piece].unsqueeze(1)
+                outputs.append(super().forward(q, k, value[piece].unsqueeze(1), self._causal_mask(q, k, None)))
                 start += length
             return torch.cat(outputs, dim=0)
+
+        def _causal_mask(self, query, key, attention_mask):
+            """``attention_mask``, or the causal mask the parent's softmax would build for it, built here
+            on the queries' device. The parent builds it with ``device="cuda"``, which CPU mode
+            rewrites only in the forward pass: recompute (selective or full) re-runs attention in the
+            backward, where that call failed ("Torch not compiled with CUDA enabled")."""
+            sq, sk = query.shape[0], key.shape[0]
+            if attention_mask is not None or sq == 1 or self.attn_mask_type != AttnMaskType.causal:
+                return attention_mask
+            return torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(diagonal=1)
 
         def _context_parallel(self, query, key, value, segments: list[int]):
             """Each local query chunk of each segment against the segment's whole keys/values (gathered
