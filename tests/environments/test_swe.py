@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -43,7 +44,19 @@ make_tasks = _load("make_swe_tasks", ROOT / "examples" / "swe_tasks" / "make_tas
 
 
 @pytest.fixture(scope="module")
-def env() -> SWEEnvironment:
+def sandbox_tmp():
+    """Sandboxes of this module make their directories in a folder of their own: the leftover checks
+    below see only this module's sandboxes (other test runs on the machine have theirs)."""
+    folder = tempfile.mkdtemp(prefix="mc-swe-test-")
+    before, tempfile.tempdir = tempfile.tempdir, folder
+    yield folder
+    tempfile.tempdir = before
+    assert glob.glob(os.path.join(folder, "mc-sandbox-*")) == []  # every sandbox removed its directory
+    shutil.rmtree(folder)  # what else used the temporary folder meanwhile (pytest's tmp_path)
+
+
+@pytest.fixture(scope="module")
+def env(sandbox_tmp) -> SWEEnvironment:
     try:
         CodeSandbox().require_isolation()
     except SandboxUnavailableError as e:
@@ -58,15 +71,15 @@ def rows() -> list[dict]:
 
 
 @pytest.fixture
-def no_leftovers():
-    """No sandbox process and no sandbox directory left after the test."""
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "mc-sandbox-*")))
+def no_leftovers(sandbox_tmp):
+    """No process of this module's sandboxes (their command lines name their directory) and no
+    sandbox directory left after the test."""
     yield
-    leftovers = reward_fixtures.processes_with("mc-sandbox-")
-    for p in leftovers:
+    leftovers = reward_fixtures.processes_with(sandbox_tmp)
+    for p in leftovers:  # ours only (the folder is this module's)
         p.kill()
     assert not leftovers
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mc-sandbox-*"))) <= before
+    assert glob.glob(os.path.join(sandbox_tmp, "mc-sandbox-*")) == []
 
 
 def call(name: str, **arguments) -> str:
@@ -261,3 +274,19 @@ def test_bad_kwargs_are_refused_naming_them(kwargs, key):
 def test_bad_rows_fail_their_episode(env, row, message):
     with pytest.raises(ValueError, match=message):
         env.start(row)
+
+
+def test_the_recipe_stage_builds_its_environment():
+    from megatron_cascade.config import load_config
+    from megatron_cascade.rewards import build_reward
+
+    cfg = load_config(str(ROOT / "examples" / "nemotron_cascade2" / "07_swe_rl.yaml"), check_paths=False)
+    spec = cfg.domains["swe"].environment
+    assert spec.name == "swe" and spec.max_turns > 1 and Path(cfg.domains["swe"].train) == TASKS
+    assert spec.step_timeout_s > spec.kwargs["test_timeout_s"] + 10  # the submit step has room for the tests
+    try:
+        env = build_environment(spec.name, spec.kwargs, CharTokenizer())
+    except SandboxUnavailableError as e:
+        pytest.skip(f"isolated sandbox unavailable here: {e}")
+    assert isinstance(env, SWEEnvironment) and env.test_timeout_s == spec.kwargs["test_timeout_s"]
+    assert build_reward("environment")("any transcript", {}) == 0.0  # the environment's reward is the score
