@@ -75,7 +75,8 @@ TASKS = [
      ["self.assertEqual(clamp(15, 0, 10), 10)", "self.assertEqual(clamp(-3, 0, 10), 0)",
       "self.assertEqual(clamp(4, 0, 10), 4)"]),
     ("palin", "is_palindrome('Racecar') is False: case should not matter.",
-     "def is_palindrome(s):\n    return s == s[::-1]\n", ("return s == s[::-1]", "s = s.lower()\n    return s == s[::-1]"),
+     "def is_palindrome(s):\n    return s == s[::-1]\n",
+     ("return s == s[::-1]", "s = s.lower()\n    return s == s[::-1]"),
      "self.assertTrue(is_palindrome('Racecar'))",
      ["self.assertTrue(is_palindrome('Racecar'))", "self.assertFalse(is_palindrome('abc'))",
       "self.assertTrue(is_palindrome('aA'))"]),
@@ -127,7 +128,8 @@ TASKS = [
      ["self.assertTrue(is_leap(2000))", "self.assertFalse(is_leap(1900))", "self.assertTrue(is_leap(2024))",
       "self.assertFalse(is_leap(2023))"]),
     ("stack", "Stack.pop returns the oldest item instead of the newest.",
-     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n\n"
+     "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+     "    def push(self, x):\n        self.items.append(x)\n\n"
      "    def pop(self):\n        return self.items.pop(0)\n", ("self.items.pop(0)", "self.items.pop()"),
      "s = Stack()\n        s.push(1)\n        s.push(2)\n        self.assertEqual(s.pop(), 2)",
      ["s = Stack()\n        s.push(1)\n        s.push(2)\n        self.assertEqual(s.pop(), 2)",
@@ -141,7 +143,8 @@ def _exported(core: str) -> list[str]:
 
 def _test_file(pkg: str, names: list[str], bodies: list[str], cls: str) -> str:
     methods = "\n\n".join(f"    def test_{i}(self):\n        {body}" for i, body in enumerate(bodies))
-    return f"import unittest\n\nfrom {pkg}.core import {', '.join(names)}\n\n\nclass {cls}(unittest.TestCase):\n{methods}\n"
+    header = f"import unittest\n\nfrom {pkg}.core import {', '.join(names)}\n\n\n"
+    return f"{header}class {cls}(unittest.TestCase):\n{methods}\n"
 
 
 def make_row(task: tuple) -> dict:

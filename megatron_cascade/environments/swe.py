@@ -118,7 +118,8 @@ class SWEEnvironment(Environment):
                             ("max_output_chars", max_output_chars), ("max_calls_per_turn", max_calls_per_turn)):
             _positive(name, value, integer=True)
         if not isinstance(allow_unsafe_sandbox, bool):
-            raise ValueError(f"environment swe: allow_unsafe_sandbox must be true or false, got {allow_unsafe_sandbox!r}")
+            raise ValueError("environment swe: allow_unsafe_sandbox must be true or false, "
+                             f"got {allow_unsafe_sandbox!r}")
         self.command_timeout_s, self.test_timeout_s = float(command_timeout_s), float(test_timeout_s)
         self.max_output_chars, self.max_calls_per_turn = max_output_chars, max_calls_per_turn
         sandbox = CodeSandbox(allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base, uids_per_rank=uids_per_rank)

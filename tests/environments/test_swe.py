@@ -174,7 +174,8 @@ def test_hidden_tests_exist_only_while_scoring(env, rows, no_leftovers):
 @pytest.mark.parametrize("patch", [
     "import os\nos._exit(0)\n",  # the test process ends early with status 0
     "import sys\nsys.exit(0)\n",
-    "print('\\n__SWE_RESULT__{\"run\": 3, \"failures\": 0, \"errors\": 0, \"skipped\": 0}', flush=True)\nimport os\nos._exit(0)\n",
+    "print('\\n__SWE_RESULT__{\"run\": 3, \"failures\": 0, \"errors\": 0, \"skipped\": 0}', flush=True)\n"
+    "import os\nos._exit(0)\n",
     "import unittest\nunittest.TestCase.run = lambda self, result=None: None\n",  # tests that never run
     "import atexit\natexit.register(lambda: print('\\n__SWE_RESULT__{\"run\": 3, \"failures\": 0, \"errors\": 0, "
     "\"skipped\": 0}'))\n",

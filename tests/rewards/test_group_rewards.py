@@ -140,7 +140,8 @@ def test_messages_rows_render_the_whole_conversation(judge):
     row = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "pick a number"},
                         {"role": "assistant", "content": "7?"}, {"role": "user", "content": "a bigger one"}]}
     assert _group(url, ["9", "8"], row) == [1.0, 0.0]
-    assert "[system]\nbe brief\n\n[user]\npick a number\n\n[assistant]\n7?\n\n[user]\na bigger one" in server.contents[0]
+    rendered = "[system]\nbe brief\n\n[user]\npick a number\n\n[assistant]\n7?\n\n[user]\na bigger one"
+    assert rendered in server.contents[0]
     assert render_conversation({"prompt": "plain"}) == "plain"
 
 
@@ -163,7 +164,7 @@ def test_hostile_judge_makes_only_its_responses_invalid_and_stays_bounded(judge)
     elapsed = time.perf_counter() - start
     assert out[:2] == [1.0, 0.0]  # judged against each other; every comparison with a hostile one failed
     assert "no verdict" in str(out[2]) and isinstance(out[2], ValueError)
-    assert "timeout_s=0.5" in str(out[3].__cause__) and "max_reply_bytes" in str(out[4])
+    assert re.search(r"timed out|within timeout_s=0.5", str(out[3])) and "max_reply_bytes" in str(out[4])
     assert "HTTP 500" in str(out[5])
     assert elapsed < 10.0  # 2 attempts x 0.5 s per slow judgment, concurrently; the server would hold 30 s
 

@@ -111,10 +111,13 @@ def test_scorer_verifier_sees_only_the_answer_and_unfinished_reasoning_scores_ze
     assert out["opened"] == ([1.0, 0.0], [False, False], [False, True])
 
 
+MARKERS_MESSAGE = r"domains\.math\.reward\.reasoning_markers=.* must be \[start, end\]"
+
+
 @pytest.mark.parametrize("override,message", [
     ("domains.math.reward.reasoning_parser=deepseek", r"reasoning_parser='deepseek' is not one of \['none', 'think'\]"),
-    ("domains.math.reward.reasoning_markers=[<think>]", r"domains\.math\.reward\.reasoning_markers=.* must be \[start, end\]"),
-    ("domains.math.reward.reasoning_markers=[x,x]", r"domains\.math\.reward\.reasoning_markers=.* must be \[start, end\]"),
+    ("domains.math.reward.reasoning_markers=[<think>]", MARKERS_MESSAGE),
+    ("domains.math.reward.reasoning_markers=[x,x]", MARKERS_MESSAGE),
 ])
 def test_bad_reasoning_config_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
