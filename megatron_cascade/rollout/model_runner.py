@@ -13,7 +13,7 @@ cached path is tested against, and the baseline of the benchmark.
 Hybrid (Mamba) models keep their SSM state in the same context: each Mamba layer stores a conv
 state ``[B, conv_channels, kernel]`` and an SSM state ``[B, heads, head_dim, state]`` under its
 layer number (Megatron's ``MambaMixer._get_states_from_cache``); the prefill writes them, each decode
-step advances them by one token.
+step advances them by one token. Left padding reaches neither (``mamba_padding.py``).
 
 Pipeline parallelism: the stages run one after another for each step. A stage receives the
 hidden states ``[s, B, hidden]`` of the previous stage (``recv``), runs its layers (each stage
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.rollout.layout import PaddedBatch
+from megatron_cascade.rollout.mamba_padding import MambaPaddingMask
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,13 +47,10 @@ def accepts_padding_mask(model: torch.nn.Module) -> bool:
     """Whether every attention layer is Megatron's local ``DotProductAttention``, which applies an
     arbitrary boolean mask. Transformer Engine's attention reads masks by mask type (and ignores
     them under the ``no_mask`` type Megatron switches to when decoding), so it gets no padding.
-    Nor does a hybrid model: a Mamba layer's recurrence runs over every token it is given, padding
-    included (no mask reaches it), so its rows are batched by prompt length instead.
+    Mamba layers of a hybrid model take padding through ``MambaPaddingMask`` (``StepRunner``).
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    if is_hybrid(model):
-        return False
     cores = [m.core_attention for m in unwrap_model(model).modules() if hasattr(m, "core_attention")]
     return all(isinstance(c, DotProductAttention) for c in cores)
 
@@ -73,6 +71,12 @@ class StepRunner:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self._prev_rank = ps.get_pipeline_model_parallel_prev_rank() if self.pp_size > 1 else None
         self._next_rank = ps.get_pipeline_model_parallel_next_rank() if self.pp_size > 1 else None
+        self.mamba_padding = MambaPaddingMask(self.gpt) if batch.padded and is_hybrid(model) else None
+
+    def close(self) -> None:
+        """Release what the runner installed on the model (the Mamba padding hooks)."""
+        if self.mamba_padding is not None:
+            self.mamba_padding.remove()
 
     def _new_context(self):
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -100,6 +104,8 @@ class StepRunner:
         b = self.batch
         if not self.first_stage:
             self.gpt.set_input_tensor(self._recv_hidden(end - start))
+        if self.mamba_padding is not None:
+            self.mamba_padding.set(~b.valid[:, start:end])
         out = self.model(
             b.tokens[:, start:end],
             b.position_ids[:, start:end],

@@ -10,8 +10,8 @@ that cannot take a padding mask (Transformer Engine) they are batched by prompt 
 Finished rows keep decoding (the batch shape is static); their tokens are no longer recorded.
 
 Hybrid (Mamba) models generate here with ``use_kv_cache=True``: the static context also holds each
-Mamba layer's conv and SSM state (``model_runner.py``), and rows are batched by prompt length (a
-Mamba layer cannot mask left padding). With expert parallelism the ranks of an expert-parallel group
+Mamba layer's conv and SSM state (``model_runner.py``); left padding is kept out of those states
+(``mamba_padding.py``). With expert parallelism the ranks of an expert-parallel group
 step together (``_ExpertLockstep``), as in the paged engine.
 """
 
@@ -49,8 +49,11 @@ def generate_static(model: torch.nn.Module, samples: list[RolloutSample], params
     for group in _batches(rows, accepts_padding_mask(model)):
         batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
         runner = StepRunner(model, batch, use_kv_cache)
-        _decode_loop(runner, batch, group, samples, params, stop, keys[group], tokenizer.vocab_size, on_finished,
-                     lockstep)
+        try:
+            _decode_loop(runner, batch, group, samples, params, stop, keys[group], tokenizer.vocab_size,
+                         on_finished, lockstep)
+        finally:
+            runner.close()
     if lockstep is not None:
         lockstep.finish()
 

@@ -3,8 +3,10 @@
 ``generate(use_kv_cache=True)`` runs a hybrid model through Megatron's static inference context,
 which holds the attention K/V and each Mamba layer's conv and SSM state; the prefill writes them and
 every decode step advances them one token. The reference is ``use_kv_cache=False``: the whole prefix
-recomputed for every token (the training-path scan, no state). Prompts of three lengths (rows are
-batched per length: a Mamba layer cannot mask left padding), n = 2 samples per prompt.
+recomputed for every token (the training-path scan, no state), and a teacher-forced forward of each
+prompt + response alone (no padding). Prompts of three lengths, left-padded into one batch: the
+padding must reach neither attention (masked) nor the Mamba conv/SSM states (``mamba_padding.py``);
+n = 2 samples per prompt.
 """
 
 from __future__ import annotations
