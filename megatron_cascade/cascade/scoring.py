@@ -116,6 +116,7 @@ class RolloutScorer:
         self.is_source, self.group, self.src = _model_parallel_source()
         self.pool = ScoringPool(max_workers) if self.is_source else None
         self.tickets: dict[int, int] = {}  # sample index -> index in the pool's results
+        self.seen: set[int] = set()  # sample indices handed to on_finished
         self.parsers = {d: reasoning_parser(domains[d]) for d in set(self.prompt_domains)}
         self.unfinished: set[int] = set()  # sample indices whose reasoning never closed
         self.waiting: dict[int, list[tuple[int, str]]] = {}  # group reward: prompt -> (sample, answer)
@@ -132,14 +133,13 @@ class RolloutScorer:
 
     def on_finished(self, sample_index: int, sample: RolloutSample) -> None:
         """Queue one finished sample for scoring (``generate``'s ``on_finished`` hook)."""
-        if self.pool is None or sample_index in self.tickets or sample_index in self.unfinished:
+        if self.pool is None or sample_index in self.seen:
             return
+        self.seen.add(sample_index)
         prompt = sample.prompt_index
         domain = self.prompt_domains[prompt]
         answer = self._answer(domain, sample_index, sample)
         if is_group_reward(self.rewards[domain]):
-            if any(sample_index == i for i, _ in self.waiting.get(prompt, ())):
-                return
             self.arrived[prompt] = self.arrived.get(prompt, 0) + 1
             if answer is not None:
                 self.waiting.setdefault(prompt, []).append((sample_index, answer))
