@@ -43,7 +43,7 @@ started outlives it; but code in the test process could still dig the nonce out 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from megatron_cascade.environments.base import EnvStep, Environment, register_environment
@@ -70,7 +70,6 @@ class SWEState:
     row: dict
     tool_calls: int = 0
     resolved: Optional[bool] = None
-    log: list[str] = field(default_factory=list)
 
 
 def _positive(name: str, value: Any, integer: bool = False) -> None:
