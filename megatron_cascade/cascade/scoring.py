@@ -71,13 +71,15 @@ def score_responses(rewards: dict, domains: dict[str, DomainConfig], responses: 
     if is_source:
         for domain in sorted(set(row_domains)):
             parser = reasoning_parser(domains[domain])
-            parsed = [parser.parse(responses[i]) if parser else None for i, d in enumerate(row_domains) if d == domain]
-            index = [i for i, d in enumerate(row_domains) if d == domain]
-            answered = [k for k, p in enumerate(parsed) if p is None or p.finished]
-            scores, errors = score_batch(rewards[domain],
-                                         [parsed[k].answer if parsed[k] else responses[index[k]] for k in answered],
-                                         [rows[index[k]] for k in answered], timeout_s=domains[domain].reward.timeout_s)
-            out[[index[k] for k in answered]] = torch.tensor(scores, dtype=torch.float64)
+            answers = {}  # response index -> what the reward reads (unfinished reasoning: not scored, 0)
+            for i in (i for i, d in enumerate(row_domains) if d == domain):
+                parsed = parser.parse(responses[i]) if parser else None
+                if parsed is None or parsed.finished:
+                    answers[i] = parsed.answer if parsed else responses[i]
+            index = list(answers)
+            scores, errors = score_batch(rewards[domain], [answers[i] for i in index], [rows[i] for i in index],
+                                         timeout_s=domains[domain].reward.timeout_s)
+            out[index] = torch.tensor(scores, dtype=torch.float64)
             out[-1] += errors
             if errors:
                 log.warning("reward %s: %d of %d responses errored or timed out (scored 0)",
