@@ -291,3 +291,59 @@ def test_the_recipe_stage_builds_its_environment():
         pytest.skip(f"isolated sandbox unavailable here: {e}")
     assert isinstance(env, SWEEnvironment) and env.test_timeout_s == spec.kwargs["test_timeout_s"]
     assert build_reward("environment")("any transcript", {}) == 0.0  # the environment's reward is the score
+
+
+# -- the stage on the shipped task set ------------------------------------------------------------------------
+
+STAGE_CONFIG = """
+output_dir: {out}
+seed: 1
+tokenizer: builtin:char
+model: {{num_layers: 2, hidden_size: 32, ffn_hidden_size: 64, num_attention_heads: 4, vocab_size: 103,
+         max_position_embeddings: 1024, precision: fp32}}
+rollout: {{max_new_tokens: 16, filter_uninformative_groups: false}}
+training: {{micro_batch_size: 4}}
+eval: {{enabled: false}}
+data: {{max_prompt_tokens: 900}}
+checkpoint: {{every_steps: 0}}
+logging: {{progress_bar: false, tensorboard: false}}
+domains:
+  swe:
+    train: {tasks}
+    reward: {{name: environment}}
+    environment: {{name: swe, kwargs: {{command_timeout_s: 5.0, test_timeout_s: 10.0}}, max_turns: 3,
+                  step_timeout_s: 30.0}}
+stages:
+  - {{name: swe_rl, type: grpo, steps: 1, prompts_per_step: 2, samples_per_prompt: 2, domains: {{swe: 1.0}}}}
+"""
+
+
+def _swe_stage_worker(tmp: str, sandbox_dir: str) -> list[dict]:
+    from megatron_cascade.cascade.runner import build_context
+    from megatron_cascade.cascade.stage import StageRunner
+    from megatron_cascade.config import load_config, resolve_stage
+    from megatron_cascade.model import initialize_model_parallel
+
+    tempfile.tempdir = sandbox_dir  # this test's sandboxes only (the leftover check)
+    config = os.path.join(tmp, "swe.yaml")
+    with open(config, "w") as f:
+        f.write(STAGE_CONFIG.format(out=os.path.join(tmp, "out"), tasks=TASKS))
+    cfg = load_config(config)
+    initialize_model_parallel(cfg.parallel, seed=cfg.seed)
+    StageRunner(build_context(cfg), 0, resolve_stage(cfg, cfg.stages[0])).run(0)
+    with open(os.path.join(tmp, "out", "stages", "swe_rl", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_grpo_stage_runs_swe_episodes_on_the_shipped_tasks(env, tmp_path, sandbox_tmp, no_leftovers):
+    """A tiny random policy on the shipped task set: the stage runs its episodes in the swe environment
+    (a turn without a tool call submits; the hidden tests give 0), trains, and leaves nothing behind."""
+    from megatron_cascade.testing import run_distributed
+
+    (step,) = run_distributed(_swe_stage_worker, 1, str(tmp_path), sandbox_tmp, timeout_s=300)[0]
+    assert step["step"] == 1 and step["reward/mean"] == 0.0 and step["reward/errors"] == 0.0
+    assert step["episode/turns_mean"] >= 1.0
+    assert "episode/swe_submitted_mean" in step and "episode/swe_resolved_mean" in step
+    assert (tmp_path / "out" / "stages" / "swe_rl" / "final").is_dir()
