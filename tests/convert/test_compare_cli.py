@@ -1,15 +1,16 @@
-"""``convert compare``: a GPT family (Llama) and nemotron_h within tolerance; a wrong pairing exits 1, bad input 2."""
+"""``convert compare`` on a GPT family (Llama): within tolerance exits 0, a checkpoint of other weights exits 1,
+bad input exits 2 in one line; the ``megatron-cascade`` CLI has the command. (nemotron_h: test_nemotron_h_convert.)"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import os
 import shutil
 
 import pytest
 from convert_fixtures import make_hf_model
-from test_nemotron_h_convert import make_nemotron_h
 
 from megatron_cascade.testing import run_distributed
 
@@ -28,24 +29,40 @@ def _run_cli(*argv: str, main_cli: bool = False) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _edited_copy(src: str, dst: str, *, config: dict | None = None, scale: str | None = None) -> None:
+    """``src`` copied to ``dst`` with ``config`` keys changed, or tensor ``scale`` multiplied by 1.5."""
+    from safetensors.torch import save_file
+
+    from megatron_cascade.convert.safetensors_io import SafetensorsReader
+
+    shutil.copytree(src, dst)
+    if config:
+        with open(f"{dst}/config.json") as f:
+            data = json.load(f)
+        with open(f"{dst}/config.json", "w") as f:
+            json.dump({**data, **config}, f)
+    if scale:
+        reader = SafetensorsReader(src)
+        tensors = {n: reader.get(n) * (1.5 if n == scale else 1.0) for n in reader.tensors}
+        for name in os.listdir(dst):
+            if name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".json")):
+                os.remove(f"{dst}/{name}")
+        save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+
+
 def compare_worker(tmp: str) -> dict:
-    """World size 1: convert a tiny Llama and a tiny Nemotron-H, then run ``compare`` on good and bad pairs."""
+    """World size 1: convert a tiny Llama and a copy with one weight changed; ``compare`` good and bad pairs."""
     from megatron_cascade.convert import hf_to_megatron
 
     make_hf_model("llama", f"{tmp}/llama")
     hf_to_megatron(f"{tmp}/llama", f"{tmp}/llama_meg")
-    make_nemotron_h(f"{tmp}/nemotron_h")
-    hf_to_megatron(f"{tmp}/nemotron_h", f"{tmp}/nemotron_h_meg")
-    shutil.copytree(f"{tmp}/llama", f"{tmp}/llama_vocab")
-    with open(f"{tmp}/llama_vocab/config.json") as f:
-        config = json.load(f)
-    with open(f"{tmp}/llama_vocab/config.json", "w") as f:
-        json.dump({**config, "vocab_size": 300}, f)
+    _edited_copy(f"{tmp}/llama", f"{tmp}/llama_other", scale="model.layers.1.mlp.down_proj.weight")
+    hf_to_megatron(f"{tmp}/llama_other", f"{tmp}/llama_other_meg")
+    _edited_copy(f"{tmp}/llama", f"{tmp}/llama_vocab", config={"vocab_size": 300})
     return {
-        "nemotron_h": _run_cli("--hf", f"{tmp}/nemotron_h", "--ckpt", f"{tmp}/nemotron_h_meg", "--tokens", "8",
-                               main_cli=True),
+        "main_cli": _run_cli("--hf", f"{tmp}/llama", "--ckpt", f"{tmp}/llama_meg", "--tokens", "8", main_cli=True),
         "llama": _run_cli("--hf", f"{tmp}/llama", "--ckpt", f"{tmp}/llama_meg", "--tokens", "12"),
-        "wrong_pair": _run_cli("--hf", f"{tmp}/nemotron_h", "--ckpt", f"{tmp}/llama_meg", "--tokens", "12"),
+        "wrong_pair": _run_cli("--hf", f"{tmp}/llama", "--ckpt", f"{tmp}/llama_other_meg", "--tokens", "12"),
         "vocab": _run_cli("--hf", f"{tmp}/llama_vocab", "--ckpt", f"{tmp}/llama_meg"),
         "tokens": _run_cli("--hf", f"{tmp}/llama", "--ckpt", f"{tmp}/llama_meg", "--tokens", "0"),
     }
@@ -68,7 +85,7 @@ def test_wrong_pairing_exits_1_naming_the_difference(compared):
     _, out = compared
     code, stdout, stderr = out["wrong_pair"]
     assert code == 1
-    assert "NemotronHForCausalLM: max abs logit difference" in stdout and "FAIL" in stderr
+    assert "LlamaForCausalLM: max abs logit difference" in stdout and "FAIL" in stderr
 
 
 @pytest.mark.parametrize("case,needle", [("vocab", "vocab_size=300"), ("tokens", "--tokens=0 must be >= 1")])
@@ -78,9 +95,9 @@ def test_bad_input_exits_2_with_one_line(compared, case, needle):
     assert code == 2 and needle in stderr and stderr.count("\n") == 1
 
 
-def test_main_cli_on_nemotron_h(compared):
+def test_megatron_cascade_cli_has_the_command(compared):
     _, out = compared
-    code, stdout, stderr = out["nemotron_h"]
+    code, stdout, stderr = out["main_cli"]
     assert code == 0, stdout + stderr
     line = next(ln for ln in stdout.splitlines() if "max abs logit difference" in ln)
-    assert line.startswith("NemotronHForCausalLM") and float(line.split("difference ")[1].split()[0]) <= 1e-4
+    assert line.startswith("LlamaForCausalLM") and float(line.split("difference ")[1].split()[0]) <= 1e-4

@@ -4,12 +4,14 @@ The model has one layer of each kind (pattern ``M*ME-``: Mamba-2, attention, Mam
 shared expert and expert bias, dense relu² MLP), 2 Mamba groups (TP=2 splits them), GQA 4/2 and a
 vocab of 200 padded to 256; every parameter is randomised, the expert bias too, so that any mix-up
 (a z/x/B/C/dt part sharded as one block, a wrong expert, a dropped bias) moves the logits.
-One single-process worker converts (fp32 and bf16) and compares at TP=1; one two-process worker
+One single-process worker converts (fp32 and bf16) and compares at TP=1 (also through ``convert compare``); one two-process worker
 compares at TP=2 + sequence parallel and EP=2 and reloads a checkpoint saved at TP=2 at TP=1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -76,6 +78,7 @@ def write_bf16_copy(src: str, dst: str) -> None:
 def single_worker(tmp: str) -> dict:
     """World size 1: convert fp32 (sharded input and output) and bf16 both ways; compare at TP=1."""
     from megatron_cascade.convert import hf_to_megatron, megatron_to_hf, reshard
+    from megatron_cascade.convert.cli import main
     from megatron_cascade.convert.compare import compare_checkpoints, sample_tokens
     from megatron_cascade.convert.dist_reader import read_dist_metadata
 
@@ -89,7 +92,11 @@ def single_worker(tmp: str) -> dict:
     with torch.no_grad():
         hf = model(sample_tokens(VOCAB, TOKENS)).logits.float()
     meta = read_dist_metadata(f"{tmp}/meg_bf16").state_dict_metadata
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli_status = main(["compare", "--hf", f"{tmp}/hf", "--ckpt", f"{tmp}/meg", "--tokens", "8"])
     return {
+        "cli": (cli_status, out.getvalue()),
         "cfg": cfg, "hf": hf,
         "tp1": compare_checkpoints(f"{tmp}/hf", f"{tmp}/meg", tokens=TOKENS),
         "resharded": compare_checkpoints(f"{tmp}/hf", f"{tmp}/meg_tp2", tokens=TOKENS),
@@ -158,6 +165,14 @@ def test_compare_at_tp1_is_within_tolerance(converted, which):
     assert result.max_abs_diff <= ATOL, result.summary()
     assert result.max_abs_logit > 1.0, "random weights should give logits far from zero"
     assert result.argmax_agreement == 1.0
+
+
+def test_compare_cli_on_nemotron_h(converted):
+    _, single, _ = converted
+    status, stdout = single["cli"]
+    assert status == 0, stdout
+    line = next(ln for ln in stdout.splitlines() if "max abs logit difference" in ln)
+    assert line.startswith("NemotronHForCausalLM") and float(line.split("difference ")[1].split()[0]) <= ATOL
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "ep2"])
