@@ -37,3 +37,8 @@ class ScriptedEnv(Environment):
         if state["k"] >= self.turns:
             return EnvStep(done=True, reward=0.25, metrics={"steps": 1.0})
         return EnvStep(observation_ids=observation(self.tokenizer, state["k"]), reward=0.25, metrics={"steps": 1.0})
+
+
+def parity(response: str, sample: dict) -> float:
+    """A reward with spread inside a group (GRPO groups are informative): the transcript's parity."""
+    return float(sum(map(ord, response)) % 2)
