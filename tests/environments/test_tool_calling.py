@@ -149,3 +149,17 @@ def test_tool_turn_in_a_hugging_face_template(tmp_path):
     obs = tool_turn_ids(tok, ["408", "7"], turn_ended=True)
     assert obs == tok.encode("<|im_start|> user <tool_response> 408 </tool_response> <tool_response> 7 "
                              "</tool_response><|im_end|><|im_start|> assistant")
+
+
+def test_python_tool_runs_in_the_code_sandbox():
+    """The ``python`` tool: the program runs in the code sandbox (its own uid, no host files) and a
+    runaway one is killed at python_timeout_s, its result an error the model sees."""
+    env = build_environment("tool_calling", {"tools": {"py": "python"}, "python_timeout_s": 2.0}, TOK)
+    row = {"tools": [{"name": "py", "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                                                   "required": ["code"]}}]}
+    state = env.start(row)
+    action = call("py", code="import os; print(6 * 7, os.getuid() != 0, os.path.exists('/work'))")
+    assert "42 True False" in TOK.decode(env.step(state, TOK.encode(action), action).observation_ids)
+    action = call("py", code="while True: pass")
+    step = env.step(state, TOK.encode(action), action)
+    assert "error: timed out" in TOK.decode(step.observation_ids) and step.metrics["tool_calls_ok"] == 0.0
