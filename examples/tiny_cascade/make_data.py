@@ -16,6 +16,11 @@ Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
   12 words x 5 formats, split by (word, format) pair;
 * code: ``"tests"`` -- stdin -> stdout checks of the last ```python block (all must pass).
 
+``--long`` writes the long-context task instead (``examples/tiny_cascade/long.yaml``):
+``long_context_{sft,train,eval}.jsonl``, prompts of 1,000-2,000 characters (one token each with the
+builtin char tokenizer) that hide ``key=NN`` among filler words and a distractor ``box=MM``, ending
+in "what is key?": the answer is NN (the ``math`` reward); the habit answers the distractor.
+
 The three splits are prompt-disjoint items of the same task families: RL trains on prompts the SFT
 stage never saw (as real pipelines do), so what RL gains carries over to the held-out eval set
 instead of polishing memorised answers. The output is a pure
@@ -35,9 +40,7 @@ EVAL_ROWS = {"math": 64, "instruction_following": 64, "code": 48}
 # Fraction of SFT rows that show the right behaviour; the rest show the domain's habit (below).
 SFT_FOLLOWS = 0.3
 
-WORDS = ("cat", "dog", "sun", "red", "box", "cup", "hat", "pen", "map", "egg", "fox", "owl", "bee",
-         "ant", "car", "bus", "key", "toy", "jam", "ice", "sky", "sea", "tea", "pie", "bag", "bed",
-         "fan", "net", "pot", "rug", "cow", "pig", "hen", "bat", "elk", "yak", "gum", "ink", "oak", "web")
+N_WORDS = 120  # consonant-vowel-consonant words: copying one is a skill, not a memorised answer
 
 
 # Each item is (prompt, right response, habitual response, reward fields). The SFT teacher has a habit:
@@ -47,13 +50,14 @@ WORDS = ("cat", "dog", "sun", "red", "box", "cup", "hat", "pen", "map", "egg", "
 # prompts (drop the habit) carries over to held-out prompts of the same task.
 
 def math_items(rng: random.Random) -> list[tuple]:
-    """Two-digit + one-digit additions that carry ("47+5=" -> "52"); the habit forgets the carry ("42")."""
+    """Two-digit + one-digit additions ("47+5=" -> "52"). The ones that carry are the task (RL, eval);
+    the habit forgets the carry ("42"). Those that do not carry (habitual None) are SFT-only rows that
+    teach the ones digit."""
     rows = []
-    for tens in range(1, 9):
-        for unit in range(1, 10):
-            for b in range(10 - unit, 10):
-                a = 10 * tens + unit
-                rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
+    for a in range(10, 90):
+        for b in range(1, 10):
+            carries = a % 10 + b >= 10
+            rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10) if carries else None, {"answer": str(a + b)}))
     return rows
 
 
@@ -63,8 +67,11 @@ def _kw(word: str) -> dict:
 
 def if_items(rng: random.Random) -> list[tuple]:
     """A word in one of five formats ("say cat in caps" -> "CAT"); the habit ignores the format ("cat")."""
+    words: set[str] = set()
+    while len(words) < N_WORDS:
+        words.add(rng.choice("bcdfghklmnprstvwz") + rng.choice("aeiou") + rng.choice("bcdfghklmnprstvwz"))
     rows = []
-    for w in WORDS:
+    for w in sorted(words):
         rows.append((f"say {w} in caps", w.upper(), w,
                      {"instructions": [{"id": "change_case:english_capital", "kwargs": {}}, _kw(w)]}))
         rows.append((f"say {w} and end with ok", f"{w} ok", w,
@@ -87,9 +94,9 @@ def code_items(rng: random.Random) -> list[tuple]:
     """stdin -> stdout arithmetic on n ("add 7 to n" -> print(int(input())+7)); the habit forgets the
     int() (a TypeError, or the string repeated)."""
     families = []  # (prompt, operator, k)
-    families += [(f"add {k} to n", "+", k) for k in range(1, 61)]
-    families += [(f"subtract {k} from n", "-", k) for k in range(1, 61)]
-    families += [(f"multiply n by {k}", "*", k) for k in range(2, 31)]
+    families += [(f"add {k} to n", "+", k) for k in range(1, 100)]
+    families += [(f"subtract {k} from n", "-", k) for k in range(1, 100)]
+    families += [(f"multiply n by {k}", "*", k) for k in range(2, 100)]
     apply = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k}
     rows = []
     for prompt, op, k in families:
@@ -100,11 +107,51 @@ def code_items(rng: random.Random) -> list[tuple]:
     return rows
 
 
+LONG_ROWS = {"sft": 48, "train": 48, "eval": 16}
+LONG_CHARS = (1000, 2000)  # prompt length range (characters = tokens with builtin:char)
+
+
+def long_context_item(rng: random.Random) -> tuple:
+    """Filler words with ``key=NN`` and a distractor ``box=MM`` at random places, then the question."""
+    key, box = rng.sample(range(10, 100), 2)
+    facts = (f"key={key}.", f"box={box}.")
+    filler = rng.randint(*LONG_CHARS) - len(" what is key?") - sum(len(f) + 1 for f in facts)
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < filler:
+        words.append(rng.choice(WORDS))
+    for fact in facts:
+        words.insert(rng.randrange(len(words) + 1), fact)
+    prompt = " ".join(words) + " what is key?"
+    return prompt, str(key), str(box), {"answer": str(key)}
+
+
+def make_long_context(seed: int) -> dict[str, list[dict]]:
+    """{split: rows} of the long-context task (SFT rows show the distractor habit like the others)."""
+    rng = random.Random(f"{seed}:long_context")
+    out = {}
+    for split, count in LONG_ROWS.items():
+        out[split] = [_row("long_context", long_context_item(rng), habit=split == "sft" and rng.random() >= SFT_FOLLOWS)
+                      for _ in range(count)]
+    return out
+
+
+def generate_long(out: Path, seed: int = 0) -> list[Path]:
+    """Write the three long-context files into ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, rows in make_long_context(seed).items():
+        path = out / f"long_context_{split}.jsonl"
+        write_jsonl(path, rows)
+        paths.append(path)
+    return paths
+
+
 BUILDERS = {"math": math_items, "instruction_following": if_items, "code": code_items}
 
 
 def _row(domain: str, item: tuple, habit: bool = False) -> dict:
     prompt, right, habitual, fields = item
+    habit = habit and habitual is not None
     row = {"domain": domain, "prompt": prompt, "response": habitual if habit else right, **fields}
     if habit:
         row["habit"] = True  # the SFT target is the habitual mistake (scores 0)
@@ -112,16 +159,19 @@ def _row(domain: str, item: tuple, habit: bool = False) -> dict:
 
 
 def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint; SFT rows show the habit
-    with probability 1 - SFT_FOLLOWS, RL and eval rows carry the right response."""
+    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint. The task items (those with
+    a habit) go one third to RL and two thirds to SFT (after the eval rows); SFT rows show the habit
+    with probability 1 - SFT_FOLLOWS; RL and eval rows carry the right response; items without a
+    habit are SFT-only."""
     rng = random.Random(f"{seed}:{domain}")
     items = BUILDERS[domain](rng)
-    order = list(range(len(items)))
+    order = [i for i in range(len(items)) if items[i][2] is not None]
     rng.shuffle(order)
     n_eval = EVAL_ROWS[domain]
     eval_idx, rest = order[:n_eval], order[n_eval:]
-    sft = [_row(domain, items[i], habit=rng.random() >= SFT_FOLLOWS) for i in rest[0::2]]
-    train = [_row(domain, items[i]) for i in rest[1::2]]
+    sft_idx = [i for k, i in enumerate(rest) if k % 3 != 2] + [i for i, item in enumerate(items) if item[2] is None]
+    sft = [_row(domain, items[i], habit=rng.random() >= SFT_FOLLOWS) for i in sft_idx]
+    train = [_row(domain, items[i]) for i in rest[2::3]]
     evals = [_row(domain, items[i]) for i in eval_idx]
     return sft, train, evals
 
@@ -149,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--long", action="store_true", help="write the long-context task (long.yaml) instead")
     args = parser.parse_args(argv)
-    for path in generate(args.out, args.seed):
+    for path in (generate_long if args.long else generate)(args.out, args.seed):
         print(path)
 
 

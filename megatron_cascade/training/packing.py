@@ -29,10 +29,11 @@ loss and are masked out of the MoE router statistics (``padding_mask``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.context_parallel import gather_row_from_cp, zigzag_positions
@@ -299,3 +300,36 @@ def default_row_budget(batch: TrainBatch, micro_batch_size: int) -> int:
     """The token budget of a packed row when ``training.max_tokens_per_row`` is null: what a padded
     micro-batch of ``micro_batch_size`` rows of this batch holds (so no row needs more memory)."""
     return micro_batch_size * max(int(sequence_lengths(batch).max()) if batch.size else 1, 1)
+
+
+def gather_batch(batch: TrainBatch, group, device: torch.device) -> TrainBatch:
+    """The batches of every rank of ``group`` as one (rows in rank order; shorter rows right-padded:
+    loss 0, ``padding_mask`` True). Collective; every rank must hold the same fields (None or not).
+    ``device``: where the collectives run (the accelerator under NCCL); the result is on the CPU."""
+    shape = torch.tensor(batch.input_ids.shape, dtype=torch.long, device=device)
+    shapes = [torch.empty_like(shape) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shapes, shape, group=group)
+    rows = [int(s[0]) for s in shapes]
+    width = max(int(s[1]) for s in shapes)
+    padded = batch.with_padding_mask().padded_sequences_to_multiple(width) if batch.seq_length < width else \
+        batch.with_padding_mask()
+    gathered = {}
+    for f in fields(TrainBatch):
+        value = getattr(padded, f.name)
+        if f.name == "packing" or value is None:
+            continue
+        wire = value.to(device=device, dtype=torch.uint8 if value.dtype == torch.bool else value.dtype)
+        full = torch.zeros((max(rows), *wire.shape[1:]), dtype=wire.dtype, device=device)
+        full[: wire.shape[0]] = wire
+        parts = [torch.empty_like(full) for _ in rows]
+        dist.all_gather(parts, full, group=group)
+        joined = torch.cat([part[:n] for part, n in zip(parts, rows)]).cpu()
+        gathered[f.name] = joined.bool() if value.dtype == torch.bool else joined
+    return TrainBatch(**gathered)
+
+
+def rows_for_rank(row_lengths: list[int], ranks: int, rank: int) -> list[int]:
+    """Indices of the packed rows data-parallel rank ``rank`` of ``ranks`` runs: rows dealt longest
+    first to the rank with the fewest tokens so far (``balanced_bins``), so that every replica
+    processes about as many tokens. Deterministic: every rank computes every rank's share."""
+    return sorted(balanced_bins(row_lengths, ranks)[rank])

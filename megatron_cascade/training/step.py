@@ -21,7 +21,7 @@ from megatron_cascade.training.loss_plugin import (
     make_logprob_step,
     model_sequence_multiple,
 )
-from megatron_cascade.training.packing import default_row_budget, pack_batch
+from megatron_cascade.training.packing import default_row_budget, gather_batch, pack_batch, rows_for_rank
 from megatron_cascade.training.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -202,11 +202,30 @@ def _in_lockstep(rows: list[TrainBatch], model: torch.nn.Module) -> list[TrainBa
     return rows + [_without_loss(rows[0])] * (lockstep_count(len(rows)) - len(rows))
 
 
+def _dp_balanced_rows(batch: TrainBatch, chunks: list, training: TrainingConfig) -> list[TrainBatch]:
+    """This data-parallel rank's packed rows when the replicas' sequences are packed together: the
+    global batch is gathered over the DP group, packed the same way on every rank, and its rows
+    dealt out by token count (``rows_for_rank``). Exact: each rank's loss is a partial sum over the
+    global normaliser and the gradients are summed over DP. A rank left without a row runs a
+    loss-free copy of one (its collectives)."""
+    ps = _parallel_state()
+    group = ps.get_data_parallel_group()
+    whole = gather_batch(batch, group, _current_device())
+    rows = packed_micro_batches(whole, chunks, training.micro_batch_size, training.max_tokens_per_row)
+    mine = rows_for_rank([row.packing.row_length for row in rows], ps.get_data_parallel_world_size(),
+                         ps.get_data_parallel_rank())
+    return [rows[i] for i in mine] if mine else [_without_loss(rows[0])]
+
+
 def _training_micro_batches(policy: Policy, batch: TrainBatch, training: TrainingConfig) -> list[TrainBatch]:
-    """The micro-batches the training forward/backward runs: packed rows (``packs``), or the rows
-    of ``_training_work`` padded for the layout."""
+    """The micro-batches the training forward/backward runs: packed rows (``packs``; balanced over
+    data-parallel ranks when there are several), or the rows of ``_training_work`` padded for the
+    layout."""
     if packs(policy.chunks[0], training.sequence_packing):
-        rows = packed_micro_batches(batch, policy.chunks, training.micro_batch_size, training.max_tokens_per_row)
+        if _parallel_state().get_data_parallel_world_size() > 1:
+            rows = _dp_balanced_rows(batch, policy.chunks, training)
+        else:
+            rows = packed_micro_batches(batch, policy.chunks, training.micro_batch_size, training.max_tokens_per_row)
         return _in_lockstep(rows, policy.chunks[0])
     work, micro_rows = _training_work(batch, policy.chunks[0], training.micro_batch_size)
     return list(_schedulable(work, policy.chunks, micro_rows).micro_batches(micro_rows))

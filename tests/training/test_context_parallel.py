@@ -1,13 +1,17 @@
-"""Context parallelism (CP=2) gives the losses, gradients and log-probs of CP=1.
+"""Context parallelism (CP=2), and packing balanced over data-parallel ranks (DP=2), give the losses,
+gradients and log-probs of the padded batch at CP=1.
 
 The load-balanced split (each CP rank holds chunks r and 2CP-1-r of every packed sequence), the
 per-sequence RoPE positions, the gather of log-probs back into sequence order, the loss on the whole
 batch and the gradient reduction over data x context ranks all run for real; only the attention
 kernel is the CPU stand-in (``model/cpu_spec.py``: keys/values all-gathered over CP, masked by
 global position), as Transformer Engine's is GPU-only. Two processes run the step at CP=2 and
-then, re-initialised, at CP=1 x DP=2 with the same weights (each rank half the batch, padded):
-GRPO and MOPD losses, metrics and gradients equal to 1e-6 (fp32), forward log-probs to 1e-5.
-The split itself is checked position by position on its own.
+then, re-initialised, at CP=1 x DP=2 with the same weights (each rank its own rows, rank 0 the
+longest), padded (the reference) and packed: with DP > 1 the replicas' sequences are gathered,
+packed together and the rows dealt out by tokens (TP=1 packing is tested here too). GRPO and MOPD
+losses, metrics and gradients equal to 1e-6 (fp32), forward log-probs to 1e-5, and the packed
+replicas process about as many tokens each where the padded ones do not. The split itself is
+checked position by position on its own.
 """
 
 import pytest
@@ -22,13 +26,13 @@ from test_packing import BATCH, MODEL, SPANS, VOCAB, make_batch
 
 
 def _step(parallel: ParallelConfig, weights, batch, trainings: dict):
-    """(per-kind results, weights): log-probs, metrics and gradients of each loss kind in ``trainings``
-    (kind -> TrainingConfig) at ``parallel``."""
+    """(results, weights): log-probs, metrics, gradients and tokens run for each entry of
+    ``trainings`` ({name: (loss kind, TrainingConfig)}) at ``parallel``."""
     from megatron.core import parallel_state
 
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import LossSpec, build_policy
-    from megatron_cascade.training.step import compute_gradients, forward_logprobs
+    from megatron_cascade.training.step import _training_micro_batches, compute_gradients, forward_logprobs
 
     parallel_state.destroy_model_parallel()
     initialize_model_parallel(parallel, seed=11)
@@ -39,21 +43,24 @@ def _step(parallel: ParallelConfig, weights, batch, trainings: dict):
         policy.module.load_state_dict(weights, strict=False)
     loss = LossConfig(kl_coef=0.1, importance_correction="icepop", is_low=0.05, is_high=50.0)
     out = {}
-    for kind, training in trainings.items():
+    for name, (kind, training) in trainings.items():
         spec = LossSpec(kind, loss, temperature=0.7, vocab_size=VOCAB)
         logprobs = forward_logprobs(policy.chunks, make_batch(), spec, training.micro_batch_size,
                                     sequence_packing=training.sequence_packing,
                                     max_tokens_per_row=training.max_tokens_per_row)
         metrics = compute_gradients(policy, batch, spec, training)
         grads = {name: p.main_grad.detach().clone() for name, p in policy.module.named_parameters()}
-        out[kind] = (metrics, grads, logprobs)
+        tokens = sum(m.input_ids.numel() for m in _training_micro_batches(policy, batch, training))
+        out[name] = (metrics, grads, logprobs, tokens)
     return out, weights
 
 
 # CP packs whether or not training.sequence_packing asks: GRPO with the default row budget (4 x the
 # longest sequence), MOPD with several sequences in each 40-token row.
-CP_TRAININGS = {"grpo": TrainingConfig(micro_batch_size=4),
-                "mopd": TrainingConfig(micro_batch_size=4, sequence_packing=True, max_tokens_per_row=40)}
+PACKED_40 = TrainingConfig(micro_batch_size=4, sequence_packing=True, max_tokens_per_row=40)
+CP_TRAININGS = {"grpo": ("grpo", TrainingConfig(micro_batch_size=4)), "mopd": ("mopd", PACKED_40)}
+DP_TRAININGS = {"grpo": ("grpo", TrainingConfig(micro_batch_size=2)), "mopd": ("mopd", TrainingConfig(micro_batch_size=2)),
+                "grpo-packed": ("grpo", PACKED_40), "mopd-packed": ("mopd", PACKED_40)}
 
 
 def _cp_worker():
@@ -61,14 +68,13 @@ def _cp_worker():
 
     cp, weights = _step(ParallelConfig(context_parallel_size=2), None, make_batch(), CP_TRAININGS)
     assert ps.get_context_parallel_world_size() == 2 and ps.get_data_parallel_world_size() == 1
-    rank = torch.distributed.get_rank()
-    half = make_batch().select(slice(rank * BATCH // 2, (rank + 1) * BATCH // 2))
-    ref, _ = _step(ParallelConfig(), weights, half, {kind: TrainingConfig(micro_batch_size=2) for kind in CP_TRAININGS})
-    return cp, ref
+    rows = [1, 3, 6, 4] if torch.distributed.get_rank() == 0 else [0, 2, 5, 7]  # rank 0: the longest
+    dp, _ = _step(ParallelConfig(), weights, make_batch().select(torch.tensor(rows)), DP_TRAININGS)
+    return cp, dp
 
 
 def _assert_same(result, reference):
-    (metrics, grads, logprobs), (ref_metrics, ref_grads, ref_logprobs) = result, reference
+    (metrics, grads, logprobs, _), (ref_metrics, ref_grads, ref_logprobs, _) = result, reference
     assert metrics["tokens"] == ref_metrics["tokens"] == sum(n for _, n in SPANS)
     for key, ref in ref_metrics.items():
         assert abs(metrics[key] - ref) <= 1e-6 * max(1.0, abs(ref)), key
@@ -83,10 +89,15 @@ def _assert_same(result, reference):
 
 
 @pytest.mark.distributed
-def test_context_parallel_equals_cp1():
-    for cp, ref in run_distributed(_cp_worker, 2):
-        for kind in CP_TRAININGS:
-            _assert_same(cp[kind], ref[kind])
+def test_context_parallel_and_dp_balanced_packing_equal_the_padded_batch():
+    results = run_distributed(_cp_worker, 2)
+    for cp, dp in results:
+        for kind in ("grpo", "mopd"):
+            _assert_same(cp[kind], dp[kind])
+            _assert_same(dp[f"{kind}-packed"], dp[kind])
+    padded = [dp["mopd"][3] for _, dp in results]
+    packed = [dp["mopd-packed"][3] for _, dp in results]
+    assert abs(packed[0] - packed[1]) <= 40 < abs(padded[0] - padded[1]), (packed, padded)
 
 
 def test_zigzag_split_covers_every_position_once():

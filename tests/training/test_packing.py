@@ -1,12 +1,13 @@
-"""Padding-free packing gives the losses, gradients and log-probs of the padded batch.
+"""Padding-free packing gives the losses, gradients and log-probs of the padded batch (TP=2 + SP, PP=2).
 
 One batch of 8 sequences of very different lengths (the last loss position at 4..22 of 23), GRPO
 (advantages, IS correction, KL reference) and MOPD (sequence normalisation: a per-sequence term the
 loss must still see per sequence). In one worker the same policy computes the step padded, then
 packed into rows of a 40-token budget (several sequences per row, rows of different lengths):
 loss, metrics and every gradient equal to 1e-6 (fp32), and the forward log-probs equal at every
-position up to each row's last loss token. At TP=1, TP=2 + SP (rows padded to the TP multiple) and
-PP=2 (every row as long as the longest: one activation shape). The planner is tested on its own.
+position up to each row's last loss token. At TP=2 + SP (rows padded to the TP multiple) and PP=2
+(every row as long as the longest: one activation shape); TP=1 (DP=2) runs in
+test_context_parallel.py. The planner is tested on its own.
 """
 
 import pytest
@@ -85,11 +86,8 @@ def _assert_packed_equals_padded(out):
         assert (logprobs[row, end:] == 0).all()
 
 
-def test_packed_equals_padded_single_rank():
-    for out in run_distributed(_packed_vs_padded_worker, 1, ParallelConfig(), ("grpo", "mopd"))[0]:
-        _assert_packed_equals_padded(out)
-
-
+# TP=1 (with DP=2: the replicas' rows packed together) is in test_context_parallel.py, in the same
+# processes as the CP=2 run.
 LAYOUTS = [
     ("tp2-sp", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
     ("pp2", ParallelConfig(pipeline_model_parallel_size=2)),
@@ -99,8 +97,9 @@ LAYOUTS = [
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,parallel", LAYOUTS, ids=[n for n, _ in LAYOUTS])
 def test_packed_equals_padded_distributed(name, parallel):
-    for rank_results in run_distributed(_packed_vs_padded_worker, 2, parallel, ("mopd",)):
-        _assert_packed_equals_padded(rank_results[0])
+    for rank_results in run_distributed(_packed_vs_padded_worker, 2, parallel, ("grpo", "mopd")):
+        for out in rank_results:
+            _assert_packed_equals_padded(out)
 
 
 def test_first_fit_decreasing_respects_the_budget():
