@@ -14,6 +14,12 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
   with ``model.recompute`` none/selective/full) and the logits with their gradient (model dtype:
   the fp32 work of ``ops/logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled);
 * peak = static + max(generation, training); host memory holds the offloaded MOPD teachers.
+
+Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
+layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
+attention-only, MLP-only and MoE-only layers. They generate through the static context
+(``rollout/static.py``): every local sample's KV (attention layers only) and Mamba states at once,
+and one prefill of all of them; ``rollout.kv_cache_*`` do not apply.
 """
 
 from __future__ import annotations
@@ -54,8 +60,54 @@ def _is_moe_layer(m: ModelConfig, layer: int) -> bool:
     return bool(m.moe.num_experts) and layer % m.moe.layer_freq == 0
 
 
+def _symbols_on_stage(m: ModelConfig, layout: Layout) -> str:
+    """Layer symbols of the most loaded pipeline stage (hybrid: Megatron splits the pattern evenly;
+    the stage with the most Mamba + attention layers, the ones with per-token state)."""
+    pattern = m.hybrid.layer_pattern
+    per = m.num_layers // layout.pp
+    stages = [pattern[i * per:(i + 1) * per] for i in range(layout.pp)]
+    return max(stages, key=lambda st: (st.count("M") + st.count("*"), st.count("E")))
+
+
+def _mamba_sizes(m: ModelConfig) -> tuple[int, int, int, int]:
+    """(SSM heads, d_inner = heads x head dim, conv channels = d_inner + 2 x groups x state, in_proj width)."""
+    hy = m.hybrid
+    heads = hy.num_heads(m.hidden_size)
+    d_inner = heads * hy.mamba_head_dim
+    conv = d_inner + 2 * hy.mamba_num_groups * hy.mamba_state_dim
+    return heads, d_inner, conv, d_inner + conv + heads
+
+
+def _mamba_parameters(m: ModelConfig) -> int:
+    """One Mamba-2 layer: pre-norm, in_proj [z x B C dt], depthwise conv (+ bias), A_log, D, dt_bias,
+    the gated norm and out_proj."""
+    h = m.hidden_size
+    heads, d_inner, conv, width = _mamba_sizes(m)
+    return h + h * width + conv * (m.hybrid.mamba_conv_kernel + 1) + 3 * heads + d_inner + d_inner * h
+
+
+def _count_hybrid(m: ModelConfig, attention: int, dense_mlp: int, gate: int) -> ParamCount:
+    """Parameters of a hybrid model, layer by layer from its pattern (each layer has one pre-norm)."""
+    h = m.hidden_size
+    dense = expert = 0
+    for symbol in m.hybrid.layer_pattern:
+        if symbol == "M":
+            dense += _mamba_parameters(m)
+        elif symbol == "*":
+            dense += attention - h  # one norm, no pre-MLP norm
+        elif symbol == "-":
+            dense += dense_mlp + h
+        else:  # "E"
+            e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
+            shared = m.moe.shared_expert_intermediate_size or 0
+            expert += m.moe.num_experts * (h * e_ffn * gate + e_ffn * h)
+            dense += h + h * m.moe.num_experts + h * shared * gate + shared * h
+    embedding = m.padded_vocab_size * h * (1 if m.tie_embeddings else 2)
+    return ParamCount(embedding, dense + h, expert)
+
+
 def count_parameters(m: ModelConfig) -> ParamCount:
-    """Analytic parameter count of the GPTModel ``m`` describes."""
+    """Analytic parameter count of the model ``m`` describes (GPT, or hybrid layer by layer)."""
     h, heads = m.hidden_size, m.num_attention_heads
     hd = _head_dim(m)
     groups = m.num_query_groups or heads
@@ -64,6 +116,8 @@ def count_parameters(m: ModelConfig) -> ParamCount:
     attention += (hd * (heads + 2 * groups) if m.add_qkv_bias else 0) + (2 * hd if m.qk_layernorm else 0)
     ffn = m.ffn_hidden_size or 4 * h
     dense_mlp = h * ffn * gate + ffn * h
+    if m.architecture == "hybrid":
+        return _count_hybrid(m, attention, dense_mlp, gate)
     dense = expert = 0
     for layer in range(m.num_layers):
         dense += attention
@@ -212,21 +266,47 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, sequ
     MoE top-k enter: each tensor saved for backward, in the model dtype (dropout masks 1 byte).
     ``keep_scores``: the [s x s] softmax of unfused attention is kept (no selective recompute).
     """
-    e = _DTYPE_BYTES[m.precision]
-    t, s = layout.tp, shape.seq / layout.cp
+    return (_attention_block_bytes(m, layout, shape, sequence_parallel, fused_attention, keep_scores)
+            + _mlp_block_bytes(m, layout, shape, sequence_parallel, moe_layer))
+
+
+def _block_input_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool) -> float:
+    """What every pre-norm block keeps outside the TP region: its norm input and its first linear's
+    input (SP shards both), and the dropout mask of its residual add."""
+    outside = 1 / layout.tp if sequence_parallel else 1.0
+    tokens = shape.seq / layout.cp * shape.batch
+    hidden_mask = 1 if m.hidden_dropout > 0 else 0
+    return tokens * m.hidden_size * (2 * _DTYPE_BYTES[m.precision] + hidden_mask) * outside
+
+
+def _attention_block_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool,
+                           fused_attention: bool, keep_scores: bool) -> float:
+    """The attention half of a layer: block inputs, Q, K, V, the out-projection input, and the softmax
+    statistics (fused) or the kept [s x s] scores (unfused, no selective recompute)."""
+    e, t, s = _DTYPE_BYTES[m.precision], layout.tp, shape.seq / layout.cp
     tokens = s * shape.batch
-    h, a, d = m.hidden_size, m.num_attention_heads, _head_dim(m)
+    a, d = m.num_attention_heads, _head_dim(m)
     g = m.num_query_groups or a
-    outside = 1 / t if sequence_parallel else 1.0  # norms, dropouts, TP-region inputs: SP shards them
-    gate = 2 if m.activation == "swiglu" else 1
-    hidden_masks = 2 if m.hidden_dropout > 0 else 0  # after attention and after the MLP
-    total = tokens * h * (4 * e * outside + hidden_masks * outside)  # 2 norm inputs, QKV and fc1 inputs
+    total = _block_input_bytes(m, layout, shape, sequence_parallel)
     total += e * tokens * d * (a + 2 * g) / t + e * tokens * a * d / t  # Q, K, V; out-projection input
     if fused_attention:
         total += 4 * shape.batch * (a / t) * s  # TE fused attention keeps fp32 softmax statistics only
     elif keep_scores:
         per_score = e + (1 + e if m.attention_dropout > 0 else 0)  # softmax out (+ dropout mask and out)
         total += per_score * shape.batch * (a / t) * s * shape.seq  # a [s/cp x s] block per rank
+    return total
+
+
+def _mlp_block_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool,
+                     moe_layer: bool) -> float:
+    """The MLP half of a layer: block inputs and the dense MLP's, or the routed and shared experts',
+    intermediates (fc1 output = activation input, activation output)."""
+    e, t = _DTYPE_BYTES[m.precision], layout.tp
+    tokens = shape.seq / layout.cp * shape.batch
+    h = m.hidden_size
+    outside = 1 / t if sequence_parallel else 1.0
+    gate = 2 if m.activation == "swiglu" else 1
+    total = _block_input_bytes(m, layout, shape, sequence_parallel)
     if moe_layer:
         routed = tokens * outside * m.moe.router_topk  # local tokens, each sent to top-k experts
         e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
@@ -240,6 +320,31 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, sequ
     return total
 
 
+def mamba_block_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool) -> float:
+    """One Mamba-2 layer (Megatron's memory-efficient path, whose fused kernel recomputes the conv in
+    backward): block inputs, the in_proj output [z x B C dt] (the kernel's input), the gated norm's
+    and out_proj's inputs (d_inner each), and the scan's fp32 state at each chunk boundary
+    [heads / t, head dim, state]."""
+    e, t, s = _DTYPE_BYTES[m.precision], layout.tp, shape.seq / layout.cp
+    heads, d_inner, _, width = _mamba_sizes(m)
+    hy = m.hybrid
+    total = _block_input_bytes(m, layout, shape, sequence_parallel)
+    total += e * s * shape.batch * (width + 2 * d_inner) / t
+    total += 4 * shape.batch * math.ceil(s / hy.mamba_chunk_size) * (heads / t) * hy.mamba_head_dim * hy.mamba_state_dim
+    return total
+
+
+def hybrid_layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, symbol: str, *,
+                                  sequence_parallel: bool, fused_attention: bool, keep_scores: bool) -> float:
+    """Bytes one layer of a hybrid model keeps for its backward: ``M`` Mamba-2, ``*`` attention only,
+    ``-`` dense MLP only, ``E`` MoE only (each a pre-norm block with its residual)."""
+    if symbol == "M":
+        return mamba_block_bytes(m, layout, shape, sequence_parallel)
+    if symbol == "*":
+        return _attention_block_bytes(m, layout, shape, sequence_parallel, fused_attention, keep_scores)
+    return _mlp_block_bytes(m, layout, shape, sequence_parallel, moe_layer=symbol == "E")
+
+
 def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_flight: int) -> float:
     """Activation bytes on the first pipeline stage (it holds ``in_flight`` micro-batches under 1F1B).
 
@@ -250,6 +355,11 @@ def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_f
     m = cfg.model
     sp, fused = cfg.parallel.sequence_parallel, cfg.cluster.transformer_engine
     layers = m.num_layers // layout.pp
+    if m.architecture == "hybrid":  # recompute=full is refused for hybrid models (config/model.py)
+        return in_flight * sum(
+            hybrid_layer_activation_bytes(m, layout, shape, symbol, sequence_parallel=sp, fused_attention=fused,
+                                          keep_scores=m.recompute == "none")
+            for symbol in _symbols_on_stage(m, layout))
 
     def layer(index: int, keep_scores: bool) -> float:
         return layer_activation_bytes(m, layout, shape, sequence_parallel=sp, fused_attention=fused,
@@ -289,9 +399,21 @@ def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attenti
 
 
 def kv_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
-    """K and V of one token in every layer of the most loaded pipeline stage, this rank's KV heads."""
+    """K and V of one token in every attention layer of the most loaded pipeline stage, this rank's KV heads."""
     groups = m.num_query_groups or m.num_attention_heads
-    return 2 * (m.num_layers // layout.pp) * (groups // layout.tp) * _head_dim(m) * _DTYPE_BYTES[m.precision]
+    layers = _symbols_on_stage(m, layout).count("*") if m.architecture == "hybrid" else m.num_layers // layout.pp
+    return 2 * layers * max(groups // layout.tp, 1) * _head_dim(m) * _DTYPE_BYTES[m.precision]
+
+
+def mamba_state_bytes_per_sample(m: ModelConfig, layout: Layout) -> float:
+    """One sample's generation state in the Mamba layers of the most loaded stage: the conv state
+    [conv channels / t, kernel] and the SSM state [heads / t, head dim, state] per layer (model dtype)."""
+    if m.architecture != "hybrid":
+        return 0.0
+    heads, _, conv, _ = _mamba_sizes(m)
+    hy = m.hybrid
+    per_layer = conv * hy.mamba_conv_kernel + heads * hy.mamba_head_dim * hy.mamba_state_dim
+    return _symbols_on_stage(m, layout).count("M") * per_layer / layout.tp * _DTYPE_BYTES[m.precision]
 
 
 @dataclass(frozen=True)
@@ -316,6 +438,8 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     m, r = cfg.model, stage.rollout
     samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
     prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
+    if m.architecture == "hybrid":
+        return _static_generation_plan(m, layout, samples, prompt, r.max_new_tokens)
     block = r.kv_block_size_tokens * kv_bytes_per_token(m, layout)
     per_sample = math.ceil((prompt + r.max_new_tokens) / r.kv_block_size_tokens) * block
     budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * free_bytes
@@ -332,6 +456,22 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     step = prefill_bytes(m, layout, Shape(tokens, 1), fused_attention=True)
     step += (_DTYPE_BYTES[m.precision] + 4) * concurrent * m.padded_vocab_size  # gathered logits, sampled in fp32
     return GenerationPlan(min(budget, samples * per_sample + block), step, concurrent, samples)
+
+
+def _static_generation_plan(m: ModelConfig, layout: Layout, samples: int, prompt: int,
+                            max_new_tokens: int) -> GenerationPlan:
+    """The static generator of hybrid models (``rollout/static.py``): one left-padded batch of every
+    local sample, a KV cache of prompt + max_new_tokens positions per sample in the attention layers
+    and one conv + SSM state per sample in the Mamba layers; the prefill runs all prompts at once."""
+    length = min(prompt + max_new_tokens, m.max_position_embeddings)
+    cache = samples * (length * kv_bytes_per_token(m, layout) + mamba_state_bytes_per_sample(m, layout))
+    shape = Shape(prompt, samples)
+    e, t = _DTYPE_BYTES[m.precision], layout.tp
+    _, d_inner, _, width = _mamba_sizes(m)
+    mamba = e * prompt * samples * (2 * m.hidden_size + (width + d_inner) / t)  # in_proj out, scan out
+    step = max(prefill_bytes(m, layout, shape, fused_attention=True), mamba)
+    step += (e + 4) * samples * m.padded_vocab_size  # the last column's gathered logits, sampled in fp32
+    return GenerationPlan(cache, step, samples, samples)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------

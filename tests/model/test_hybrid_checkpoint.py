@@ -124,3 +124,12 @@ def test_loading_into_another_pattern_or_a_gpt_model_is_refused_naming_the_field
     assert "hybrid.layer_pattern: checkpoint='M*-E' model='*M-E'" in messages[0], messages[0]
     assert "architecture: checkpoint='hybrid' model='gpt'" in messages[1], messages[1]
     assert messages[2] == "loaded"
+
+
+def test_dry_run_parameter_count_equals_the_built_model(runs):
+    from megatron_cascade.cascade.plan import count_parameters
+
+    weights = runs[1][0]  # every tensor of the TP=1 model (buffers too)
+    buffers = ("expert_bias", "local_tokens_per_expert")
+    built = sum(t.numel() for k, t in weights.items() if not k.endswith(buffers))
+    assert count_parameters(MODEL).total == built
