@@ -16,7 +16,8 @@ Every model turn may hold tool calls in the chat templates' format (``<tool_call
 ``submit()``
     end the episode.
 
-Results come back as a tool-response turn. A turn without any tool call submits as well. At
+Results come back as a tool-response turn. A turn without any tool call submits as well. With
+``reasoning_markers`` (a reasoning model), calls are read only after the turn's reasoning. At
 submission the row's hidden tests are copied over the workspace — inside the sandbox only, never
 into the workspace the model could read — and run with unittest (``test_timeout_s``); the episode's
 reward (this step's ``EnvStep.reward``) is 1 when every hidden test ran and passed, else 0. An
@@ -50,6 +51,7 @@ from megatron_cascade.environments.base import EnvStep, Environment, register_en
 from megatron_cascade.environments.chat import tool_turn_ids
 from megatron_cascade.environments.swe_tools import SandboxRunner, ToolError, Workspace, normalize_path
 from megatron_cascade.environments.tool_calls import CLOSE, BadToolCall, ToolCall, parse_tool_calls
+from megatron_cascade.rewards.reasoning import ReasoningParser
 from megatron_cascade.rewards.sandbox import CodeSandbox
 
 TOOLS_PROMPT = (
@@ -101,6 +103,9 @@ class SWEEnvironment(Environment):
         max_output_chars: longest tool result fed back (characters).
         max_calls_per_turn: tool calls of one turn that run (the rest are answered with an error).
         allow_unsafe_sandbox, uid_base, uids_per_rank: as the ``code`` reward's sandbox kwargs.
+        reasoning_markers: ``[start, end]`` of a reasoning model (e.g. ``["<think>", "</think>"]``): tool
+            calls are read only after a turn's reasoning, and a turn that ends inside it is answered
+            with an error (no call runs, the episode goes on); null: the whole turn is read.
     """
 
     stop_strings = (CLOSE,)
@@ -109,8 +114,15 @@ class SWEEnvironment(Environment):
     def __init__(self, tokenizer, *, command_timeout_s: float = 10.0, test_timeout_s: float = 60.0,
                  memory_mb: int = 1024, max_processes: int = 8, max_disk_mb: int = 64,
                  max_output_chars: int = 4000, max_calls_per_turn: int = 4, allow_unsafe_sandbox: bool = False,
-                 uid_base: int = 61000, uids_per_rank: int = 256) -> None:
+                 uid_base: int = 61000, uids_per_rank: int = 256,
+                 reasoning_markers: Optional[Sequence[str]] = None) -> None:
         super().__init__(tokenizer)
+        if reasoning_markers is not None and not (
+                len(reasoning_markers) == 2 and all(isinstance(m, str) and m for m in reasoning_markers)
+                and reasoning_markers[0] != reasoning_markers[1]):
+            raise ValueError(f"environment swe: reasoning_markers must be [start, end] (two different non-empty "
+                             f"strings) or null, got {reasoning_markers!r}")
+        self.reasoning = ReasoningParser(*reasoning_markers) if reasoning_markers is not None else None
         for name, value in (("command_timeout_s", command_timeout_s), ("test_timeout_s", test_timeout_s)):
             _positive(name, value)
         for name, value in (("memory_mb", memory_mb), ("max_processes", max_processes), ("max_disk_mb", max_disk_mb),
@@ -137,6 +149,15 @@ class SWEEnvironment(Environment):
         return SWEState(Workspace.from_repo(row.get("repo"), max_output_chars=self.max_output_chars), row)
 
     def step(self, state: SWEState, action_ids: Sequence[int], action_text: str) -> EnvStep:
+        turn_ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_id
+        if self.reasoning is not None:  # only calls after the reasoning run (one merely thought about does not)
+            parsed = self.reasoning.parse(action_text)
+            if not parsed.finished:  # e.g. cut by the </tool_call> stop string while thinking
+                note = (f"error: the turn ended inside the reasoning (no {self.reasoning.end}); "
+                        "close it before calling tools")
+                metrics = dict.fromkeys(self.metric_names, 0.0)
+                return EnvStep(tool_turn_ids(self.tokenizer, [note], turn_ended), metrics=metrics)
+            action_text = parsed.answer
         calls = parse_tool_calls(action_text)
         results: list[str] = []
         ok = 0
@@ -159,7 +180,6 @@ class SWEEnvironment(Environment):
             metrics.update(swe_submitted=1.0, swe_resolved=float(resolved),
                            swe_files_changed=float(len(state.workspace.changed())))
             return EnvStep(done=True, reward=float(resolved), metrics=metrics)
-        turn_ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_id
         return EnvStep(tool_turn_ids(self.tokenizer, results, turn_ended), metrics=metrics)
 
     def finish(self, state: SWEState) -> None:

@@ -189,6 +189,27 @@ def test_a_patch_cannot_fake_passing_tests(env, rows, patch, no_leftovers):
     assert steps[-1].done and steps[-1].reward == 0.0
 
 
+def test_with_reasoning_markers_only_calls_after_the_reasoning_run(env, rows, sandbox_tmp, no_leftovers):
+    row = rows[0]
+    (edit,) = [call("edit", **e) for e in row["oracle_edits"]]
+    thinking = build_environment("swe", {"command_timeout_s": 3.0, "test_timeout_s": 3.0,
+                                         "reasoning_markers": ["<think>", "</think>"]}, CharTokenizer())
+    tok = thinking.tokenizer
+    state = thinking.start(row)
+    cut = thinking.step(state, [], "<think>I could " + edit)  # the stop string ended the turn mid-thought
+    assert not cut.done and "ended inside the reasoning" in tok.decode(cut.observation_ids)
+    assert state.workspace.changed() == []  # the call it only thought about did not run
+    acted = thinking.step(state, [], "<think>the sign is wrong</think>" + edit)
+    assert state.workspace.changed() == ["calc/core.py"] and acted.metrics["tool_calls_ok"] == 1.0
+    done = thinking.step(state, [], "checked</think>" + call("submit"))  # the template opened the reasoning
+    assert done.done and done.reward == 1.0
+    thinking.finish(state)
+    plain = env.start(row)  # without markers the whole turn is read: the thought-of call runs
+    env.step(plain, [], "<think>I could " + edit)
+    assert plain.workspace.changed() == ["calc/core.py"]
+    env.finish(plain)
+
+
 # -- sandbox attacks inside SWE workspaces (tests/rewards/test_sandbox_attacks.py) --------------------------
 
 def _attack(env, row, body: str, where: str) -> tuple[float, float, str]:
@@ -260,6 +281,7 @@ def test_a_daemon_does_not_outlive_its_command(env, rows, where, tmp_path, no_le
     ({"command_timeout_s": 0}, "command_timeout_s"), ({"test_timeout_s": float("nan")}, "test_timeout_s"),
     ({"memory_mb": 1.5}, "memory_mb"), ({"max_calls_per_turn": 0}, "max_calls_per_turn"),
     ({"allow_unsafe_sandbox": "yes"}, "allow_unsafe_sandbox"),
+    ({"reasoning_markers": ["<think>"]}, "reasoning_markers"),
 ])
 def test_bad_kwargs_are_refused_naming_them(kwargs, key):
     with pytest.raises(ValueError, match=key):
