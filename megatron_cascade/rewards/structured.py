@@ -94,23 +94,32 @@ def _final_answer(transcript: str) -> str:
 
 
 def _calls_score(transcript: str, expected: list) -> float:
-    """Expected calls matched (name and arguments equal, in any order, each used once) over
-    max(expected, made): extra, malformed or wrong calls all cost."""
+    """Credit of the expected calls over max(expected, made): 1 for a call with the same name and
+    equal arguments, 0.5 for the right tool with other arguments (each made call counts once, exact
+    matches first); extra and malformed calls only add to the denominator."""
     from megatron_cascade.environments.tool_calls import ToolCall, parse_tool_calls
 
     made = parse_tool_calls(_without_blocks(transcript, "<tool_response>", "</tool_response>"))
     if not expected:
         return 0.0 if made else 1.0
-    left = [c for c in made if isinstance(c, ToolCall)]
-    matched = 0
     for want in expected:
         if not isinstance(want, dict) or not isinstance(want.get("name"), str):
             raise ValueError(f"expected_calls entry {want!r} must be {{'name': str, 'arguments': object}}")
+    left = [c for c in made if isinstance(c, ToolCall)]
+    credit, unmatched = 0.0, []
+    for want in expected:
         hit = next((c for c in left if c.name == want["name"] and c.arguments == want.get("arguments", {})), None)
+        if hit is None:
+            unmatched.append(want)
+        else:
+            left.remove(hit)
+            credit += 1.0
+    for want in unmatched:
+        hit = next((c for c in left if c.name == want["name"]), None)
         if hit is not None:
             left.remove(hit)
-            matched += 1
-    return matched / max(len(expected), len(made))
+            credit += 0.5
+    return credit / max(len(expected), len(made))
 
 
 @register_reward("tool_calling")
@@ -119,8 +128,8 @@ def tool_calling_reward(response: str, sample: dict) -> float:
     """Tool use against the row's ground truth: the mean of the parts the row has.
 
     * ``expected_calls`` (list of ``{"name", "arguments"}``): the calls of the whole episode
-      (``<tool_call>`` blocks outside tool responses) matched to them, see ``_calls_score``; an
-      empty list expects no call;
+      (``<tool_call>`` blocks outside tool responses) matched to them, see ``_calls_score`` (the
+      right tool with wrong arguments earns half a call); an empty list expects no call;
     * ``answer``: 1 if the final answer (the text after the last ``</tool_response>``, calls
       removed, whitespace collapsed) equals ``str(answer)``, else 0.
 

@@ -90,11 +90,13 @@ def test_tool_calling_reward_compares_calls_and_answer():
     good = call(expression="12*34") + "<tool_response>\n408\n</tool_response>408"
     assert reward(good, ROW) == 1.0
     assert reward("408", ROW) == 0.5  # right answer, no call
-    assert reward(call(expression="12 * 34") + "<tool_response>\n408\n</tool_response>408", ROW) == 0.5
+    # The right tool with other arguments earns half the call.
+    assert reward(call(expression="12 * 34") + "<tool_response>\n408\n</tool_response>408", ROW) == 0.75
     assert reward(good.replace("408</", "407</")[:-3] + "407", ROW) == 0.5  # right call, wrong answer
-    assert reward(good + good, ROW) == 0.75  # one extra call
-    # JSON validity alone is not enough (the old structured check would pass this).
-    assert reward(call("calculator", expression="1+1") + "<tool_response>\n2\n</tool_response>2", ROW) == 0.0
+    assert reward(good + good, ROW) == 0.75  # one extra call: 1 of 2 calls
+    # JSON validity alone is not enough (the old structured check would give this full credit).
+    assert reward(call("calculator", expression="1+1") + "<tool_response>\n2\n</tool_response>2", ROW) == 0.25
+    assert reward(call("search", q="12*34") + "<tool_response>\nerror\n</tool_response>", ROW) == 0.0
     with pytest.raises(ValueError):
         reward("x", {"prompt": "no ground truth"})
 
