@@ -28,12 +28,13 @@ from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter
 _CHILD = r"""
 import json, sys, time
 from megatron_cascade.convert.cli import main
-from megatron_cascade.convert.runtime import megatron_runtime
+from megatron_cascade.convert.runtime import hide_gpus, megatron_runtime
 
 def status_kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
+hide_gpus()
 with megatron_runtime():  # import and initialise everything first: the baseline
     pass
 baseline = status_kib("VmRSS") * 1024

@@ -85,10 +85,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """``fn`` with a ``ConversionError`` turned into a one-line message on stderr and exit status 2."""
+    """``fn`` on CPU (GPUs hidden) with a ``ConversionError`` turned into a one-line message on stderr and
+    exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(args: argparse.Namespace) -> int:
+        from megatron_cascade.convert.runtime import hide_gpus
+
+        hide_gpus()  # CPU work, also on a GPU node
         try:
             return fn(args)
         except ConversionError as exc:

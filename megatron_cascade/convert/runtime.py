@@ -10,6 +10,7 @@ spec builds the skeleton, so converted checkpoints load into the TE model on GPU
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -22,22 +23,35 @@ from megatron_cascade.convert.errors import ConversionError
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def hide_gpus() -> None:
+    """Hide CUDA devices from this process (``CUDA_VISIBLE_DEVICES=""``), before anything initialises CUDA.
+
+    Conversion is CPU work: with a GPU visible the model builder would pick the Transformer Engine
+    spec and move the meta-device skeleton to the GPU. The ``convert`` commands call this first, so
+    they run unchanged on a GPU node. A no-op once CUDA is initialised (``megatron_runtime`` then refuses).
+    """
+    if not torch.cuda.is_initialized():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 @contextlib.contextmanager
 def megatron_runtime() -> Iterator[None]:
-    """Megatron parallel state for one process at TP=PP=EP=1 (torch.distributed via gloo).
+    """Megatron parallel state for one process at TP=PP=EP=1 (torch.distributed via gloo), in CPU mode.
 
     Reuses an initialised single-process state; otherwise creates one and tears it down on exit.
-    Without CUDA this enables Megatron-Core's CPU mode for the whole process.
+    Enables Megatron-Core's CPU mode for the whole process; raises ``ConversionError`` if a GPU is
+    visible (call ``hide_gpus`` first, or set ``CUDA_VISIBLE_DEVICES=``).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_cascade.cpu_runtime import enable_cpu_mode
     from megatron_cascade.model import initialize_model_parallel
 
-    if not torch.cuda.is_available():
-        from megatron_cascade.cpu_runtime import enable_cpu_mode
-
-        enable_cpu_mode()
+    if torch.cuda.is_available():
+        raise ConversionError("conversion runs on CPU but this process sees a GPU: run it with "
+                              "CUDA_VISIBLE_DEVICES= (the convert commands do so themselves)")
+    enable_cpu_mode()
     own_dist = not dist.is_initialized()
     if own_dist:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
