@@ -9,6 +9,7 @@ sampled tokens and 0.0 on observation tokens (masked out of the loss, so never c
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -56,8 +57,10 @@ class Episode:
     def __init__(self, sample: EpisodeSample, settings: EpisodeSettings, row: dict) -> None:
         self.sample, self.settings, self.row = sample, settings, row
         self.state: Any = None
-        self.started = False
+        self.started = False  # ``start`` returned: ``finish`` is owed
+        self.released = False  # the runner is done with the episode
         self.done = False
+        self._lock = threading.Lock()
 
     @property
     def context(self) -> list[int]:
@@ -84,9 +87,20 @@ class Episode:
     def env_step(self, action_ids: list[int], action_text: str) -> EnvStep:
         """Start the episode's environment state on its first step, then step it (worker thread)."""
         if not self.started:
-            self.state = self.settings.env.start(self.row)
-            self.started = True
+            state = self.settings.env.start(self.row)
+            with self._lock:
+                self.state, self.started, late = state, True, self.released
+            if late:  # the runner gave up on this step while ``start`` ran: release what it made
+                self.settings.env.finish(state)
+                raise TimeoutError("the episode was abandoned while its environment started")
         return self.settings.env.step(self.state, action_ids, action_text)
+
+    def release(self) -> bool:
+        """Mark the episode released; whether ``finish`` is now owed by the caller (``start`` has
+        returned; otherwise a ``start`` still running calls ``finish`` itself when it returns)."""
+        with self._lock:
+            self.released = True
+            return self.started
 
     def apply(self, outcome: "StepOutcome", limit: int) -> None:
         """Apply the environment's answer: end the episode or append its observation (mask 0)."""

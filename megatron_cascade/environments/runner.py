@@ -72,7 +72,7 @@ def run_episodes(
 
     def end(index: int) -> None:
         ep = episodes[index]
-        if is_source and ep.started:  # release the episode's resources without waiting here
+        if ep.release() and is_source:  # release the episode's resources without waiting here
             finishing.append(Pending(ep.settings.env.finish, ep.state, timeout_s=ep.settings.step_timeout_s))
         if on_episode_done is not None:
             on_episode_done(index, ep.sample)

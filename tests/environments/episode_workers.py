@@ -93,15 +93,14 @@ def trainer_check(model, batch) -> dict:
             "loss_mask": packed.loss_mask.tolist(), "inference_logprobs": packed.inference_logprobs.tolist()}
 
 
-def reference_worker(weights_dir: str) -> dict:
-    """TP=1: episodes vs the hand reference and the trainer; single-turn vs plain generate; a hanging step."""
-    from megatron_cascade.testing.checkpoints import model_with_shared_weights
-
-    model = model_with_shared_weights(MODEL, ParallelConfig(), weights_dir, True, seed=1234)
+def reference_checks(model) -> dict:
+    """TP=1: episodes vs the hand reference and the trainer; a token budget; single-turn vs plain
+    generate; a hanging step."""
     out = {}
-    batch = run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(ScriptedEnv(TOK, turns=TURNS))] * 2, PARAMS,
-                         tokenizer=TOK)
+    env = ScriptedEnv(TOK, turns=TURNS)
+    batch = run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(env)] * 2, PARAMS, tokenizer=TOK)
     out["episodes"] = _summary(batch)
+    out["finished"] = len(env.finished)
     out["reference"] = hand_reference(model)
     out["trainer"] = trainer_check(model, batch)
     short = run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(ScriptedEnv(TOK, turns=TURNS), budget=BUDGET)] * 2,
@@ -117,16 +116,28 @@ def reference_worker(weights_dir: str) -> dict:
     start = time.perf_counter()
     hung = run_episodes(model, PROMPTS, ROWS, [hang] * 3, dataclasses.replace(PARAMS, n=1), tokenizer=TOK)
     out["hang_s"] = time.perf_counter() - start
+    out["hang_finished"] = sorted(state["row"]["id"] for state in hang.env.finished)
     out["hang"] = _summary(hung)
+    slow_start = _settings(ScriptedEnv(TOK, turns=TURNS, hang_s=2.0, hang_in="start"), timeout=0.5)
+    out["slow_start"] = _summary(run_episodes(model, PROMPTS, ROWS, [slow_start] * 3, dataclasses.replace(PARAMS, n=1),
+                                              tokenizer=TOK))
+    time.sleep(2.5)  # the abandoned start returns meanwhile
+    out["slow_start_finished"] = sorted(state["row"]["id"] for state in slow_start.env.finished)
     return out
 
 
-def tp_worker(weights_dir: str) -> dict:
-    """TP=2: the same episodes (environment steps on the source rank, outcomes broadcast)."""
+def episodes_worker(weights_dir: str) -> dict:
+    """Two ranks: first TP=2 (environment steps on the source rank, outcomes broadcast), saving its
+    random init; then the same weights at TP=1 (two data-parallel replicas, each running every
+    reference check; one process start for both layouts)."""
+    from megatron.core import parallel_state
+
     from megatron_cascade.testing.checkpoints import model_with_shared_weights
 
-    model = model_with_shared_weights(MODEL, ParallelConfig(tensor_model_parallel_size=2), weights_dir, False,
+    model = model_with_shared_weights(MODEL, ParallelConfig(tensor_model_parallel_size=2), weights_dir, True,
                                       seed=1234)
-    batch = run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(ScriptedEnv(TOK, turns=TURNS))] * 2, PARAMS,
-                         tokenizer=TOK)
-    return _summary(batch)
+    tp2 = _summary(run_episodes(model, PROMPTS[:2], ROWS[:2], [_settings(ScriptedEnv(TOK, turns=TURNS))] * 2,
+                                PARAMS, tokenizer=TOK))
+    parallel_state.destroy_model_parallel()
+    model = model_with_shared_weights(MODEL, ParallelConfig(), weights_dir, False, seed=1234)
+    return {"tp2": tp2, **reference_checks(model)}

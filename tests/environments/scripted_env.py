@@ -3,7 +3,7 @@
 Every letter, digit or space ends a model turn (turns are short even for a random tiny model); the
 environment answers ``[obs k]`` as a user turn followed by the assistant prefix, gives 0.25 per step,
 and ends the episode at its ``turns``-th step. A row with ``"hang": true`` sleeps ``hang_s`` seconds in
-its second step (a tool that hangs).
+its second step (a tool that hangs), or with ``hang_in: start`` in ``start`` (a slow workspace setup).
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ class ScriptedEnv(Environment):
     stop_strings = tuple(string.ascii_letters + string.digits + " ")
     metric_names = ("steps",)
 
-    def __init__(self, tokenizer, *, turns: int = 3, hang_s: float = 0.0) -> None:
+    def __init__(self, tokenizer, *, turns: int = 3, hang_s: float = 0.0, hang_in: str = "step") -> None:
         super().__init__(tokenizer)
-        self.turns, self.hang_s = turns, hang_s
+        self.turns, self.hang_s, self.hang_in = turns, hang_s, hang_in
+        self.finished: list[dict] = []  # states released by finish()
 
     def start(self, row: dict) -> dict:
+        if row.get("hang") and self.hang_in == "start":
+            time.sleep(self.hang_s)
         return {"row": row, "k": 0}
+
+    def finish(self, state: dict) -> None:
+        self.finished.append(state)
 
     def step(self, state: dict, action_ids, action_text: str) -> EnvStep:
         state["k"] += 1
-        if state["row"].get("hang") and state["k"] == 2:
+        if state["row"].get("hang") and self.hang_in == "step" and state["k"] == 2:
             time.sleep(self.hang_s)
         if state["k"] >= self.turns:
             return EnvStep(done=True, reward=0.25, metrics={"steps": 1.0})

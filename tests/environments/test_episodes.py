@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_cascade.testing import run_distributed
-from episode_workers import BUDGET, PARAMS, PROMPTS, TURNS, reference_worker, tp_worker
+from episode_workers import BUDGET, PARAMS, PROMPTS, TURNS, episodes_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -24,8 +24,14 @@ def weights_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref(weights_dir):
-    return run_distributed(reference_worker, 1, weights_dir, timeout_s=240)[0]
+def ranks(weights_dir):
+    return run_distributed(episodes_worker, 2, weights_dir, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def ref(ranks):
+    """The TP=1 checks of rank 0 (rank 1, the other data-parallel replica, ran the same)."""
+    return ranks[0]
 
 
 def test_episode_equals_hand_built_reference(ref):
@@ -37,6 +43,7 @@ def test_episode_equals_hand_built_reference(ref):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-6, rtol=0)
     # The scripted environment took every turn it could: several turns, observations in the middle.
     assert max(got["turns"]) == TURNS and sum(0 in m for m in got["mask"]) >= 2
+    assert ref["finished"] == len(got["turns"])  # every started episode was released (finish)
     for rewards, turns, finish in zip(got["turn_rewards"], got["turns"], got["finish"]):
         assert len(rewards) == (turns if finish == "stop" else turns - 1)
 
@@ -84,13 +91,23 @@ def test_hanging_step_times_out_and_the_others_finish(ref):
     assert hang["timed_out"] == [False, False, True]
     assert hang["turns"] == [TURNS, TURNS, 2]
     assert hang["finish"] == ["stop", "stop", "stop"]
+    assert ref["hang_finished"] == [0, 1, 2]  # the hung episode's resources were released too
     assert ref["hang_s"] < 30
 
 
-def test_tensor_parallel_episodes_equal_single_rank(ref, weights_dir):
-    tp = run_distributed(tp_worker, 2, weights_dir, timeout_s=240)
-    for rank in tp:
-        assert rank["response"] == ref["episodes"]["response"]
-        assert rank["mask"] == ref["episodes"]["mask"]
-        for a, b in zip(rank["logprobs"], ref["episodes"]["logprobs"], strict=True):
+def test_episode_abandoned_while_its_environment_starts_is_released(ref):
+    """Prompt 2's ``start`` (e.g. a workspace checkout) takes 2 s, past the 0.5 s step timeout: the
+    episode ends at once, and its state is released (``finish``) when the abandoned ``start``
+    returns. Before, ``finish`` was owed only for states the runner saw started: never called."""
+    assert ref["slow_start"]["timed_out"] == [False, False, True]
+    assert ref["slow_start_finished"] == [0, 1, 2]
+
+
+def test_tensor_parallel_episodes_equal_single_rank(ranks):
+    for rank in ranks:
+        tp2 = rank["tp2"]
+        assert tp2["response"] == ranks[0]["episodes"]["response"]
+        assert tp2["mask"] == ranks[0]["episodes"]["mask"]
+        for a, b in zip(tp2["logprobs"], ranks[0]["episodes"]["logprobs"], strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert ranks[1]["episodes"] == ranks[0]["episodes"]  # data-parallel replicas: no per-turn collective
