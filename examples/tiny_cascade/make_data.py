@@ -38,7 +38,7 @@ from pathlib import Path
 DOMAINS = ("math", "instruction_following", "code")
 EVAL_ROWS = {"math": 64, "instruction_following": 64, "code": 48}
 # Fraction of SFT rows that show the right behaviour; the rest show the domain's habit (below).
-SFT_FOLLOWS = 0.3
+SFT_FOLLOWS = 0.4
 
 N_WORDS = 120  # consonant-vowel-consonant words: copying one is a skill, not a memorised answer
 
@@ -50,14 +50,12 @@ N_WORDS = 120  # consonant-vowel-consonant words: copying one is a skill, not a 
 # prompts (drop the habit) carries over to held-out prompts of the same task.
 
 def math_items(rng: random.Random) -> list[tuple]:
-    """Two-digit + one-digit additions ("47+5=" -> "52"). The ones that carry are the task (RL, eval);
-    the habit forgets the carry ("42"). Those that do not carry (habitual None) are SFT-only rows that
-    teach the ones digit."""
+    """Two-digit + one-digit additions that carry ("47+5=" -> "52"); the habit forgets the carry ("42").
+    (SFT rows without a carry, always right, made the habit near certain: pass@8 0.05 after SFT.)"""
     rows = []
     for a in range(10, 90):
-        for b in range(1, 10):
-            carries = a % 10 + b >= 10
-            rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10) if carries else None, {"answer": str(a + b)}))
+        for b in range(10 - a % 10, 10):
+            rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
     return rows
 
 
