@@ -26,6 +26,7 @@ from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.stages import stage_class
+from megatron_cascade.stages.registry import stage_type
 from megatron_cascade.training import build_policy, optimize_on_batch
 from megatron_cascade.training.checkpoint import (
     load_training_checkpoint,
@@ -227,10 +228,11 @@ class StageRunner:
                                  eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
 
     def _periodic_eval(self, done: int) -> dict[str, float]:
-        """``eval.every_steps``: after every that many steps (not the last: the stage's own eval follows),
-        the held-out score and its standard error on the stage's domains, as step metrics."""
+        """``eval.every_steps``: in a stage that generates (RL, distillation; not SFT), after every that
+        many steps (not the last: the stage's own eval follows), the held-out score and its standard
+        error on the stage's domains, as step metrics."""
         every = self.cfg.eval.every_steps
-        if not every or done % every or done >= self.stage.steps:
+        if not every or done % every or done >= self.stage.steps or not stage_type(self.stage.type).generates:
             return {}
         details = self._evaluate(list(self.stage.domains))
         out = {f"eval/{domain}": result.score for domain, result in details.items()}

@@ -146,8 +146,8 @@ class EvalConfig:
 
     enabled: bool = True
     max_prompts: int = ranged(64, ge=1)  # per domain
-    # Also score the stage's own domains every this many steps during a stage (metrics.jsonl: eval/<domain>,
-    # eval_se/<domain>); 0 = only after each stage.
+    # Also score the stage's own domains every this many steps during a stage that generates (RL, MOPD;
+    # not SFT) (metrics.jsonl: eval/<domain>, eval_se/<domain>); 0 = only after each stage.
     every_steps: int = ranged(0, ge=0)
     max_new_tokens: Optional[int] = ranged(None, ge=1)  # null = rollout.max_new_tokens
     temperature: float = ranged(0.0, ge=0)  # 0 = greedy pass@1

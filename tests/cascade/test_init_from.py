@@ -82,5 +82,7 @@ stages:
     assert [step for step, _ in curve] == [0, 1, 2]
     assert curve[0][1] == manifest["stages"]["sft"]["eval"]["math"]
     assert curve[2][1] == manifest["stages"]["b"]["eval"]["math"]
+    sft_records = (out / "stages" / "sft" / "metrics.jsonl").read_text()
+    assert "eval/" not in sft_records  # SFT stages are not evaluated during training
     b_row = next(line for line in format_table(str(out)).splitlines() if line.startswith("b "))
     assert " sft " in b_row
