@@ -103,6 +103,15 @@ def _inspect_dist(path: str, kind: str) -> CheckpointSummary:
     return CheckpointSummary(kind, path, config, model, error, tensors, total, nbytes)
 
 
+def _hybrid_text(m: dict) -> str:
+    """The layer pattern and Mamba-2 sizes of a hybrid model config (dict), or ''."""
+    if m.get("architecture") != "hybrid":
+        return ""
+    h = m.get("hybrid") or {}
+    return (f" pattern={h.get('layer_pattern')} mamba_heads={h.get('mamba_num_heads')}x{h.get('mamba_head_dim')} "
+            f"state={h.get('mamba_state_dim')} groups={h.get('mamba_num_groups')}")
+
+
 def format_summary(summary: CheckpointSummary, *, show_tensors: bool = True) -> str:
     """Human-readable text of a summary."""
     lines = [f"{summary.kind} checkpoint: {summary.path}"]
@@ -115,6 +124,9 @@ def format_summary(summary: CheckpointSummary, *, show_tensors: bool = True) -> 
             f"vocab={m['vocab_size']} (padded to a multiple of {m['make_vocab_size_divisible_by']}) "
             f"tied={m['tie_embeddings']} precision={m['precision']}"
             + (f" experts={moe['num_experts']} top{moe['router_topk']}" if moe.get("num_experts") else "")
+            + (f" shared_expert={moe['shared_expert_intermediate_size']}"
+               if moe.get("shared_expert_intermediate_size") else "")
+            + _hybrid_text(m)
         )
     if summary.model_config_error:
         lines.append(f"model config: not convertible: {summary.model_config_error}")

@@ -77,7 +77,7 @@ def write_bf16_copy(src: str, dst: str) -> None:
 
 def single_worker(tmp: str) -> dict:
     """World size 1: convert fp32 (sharded input and output) and bf16 both ways; compare at TP=1."""
-    from megatron_cascade.convert import hf_to_megatron, megatron_to_hf, reshard
+    from megatron_cascade.convert import format_summary, hf_to_megatron, inspect_checkpoint, megatron_to_hf, reshard
     from megatron_cascade.convert.cli import main
     from megatron_cascade.convert.compare import compare_checkpoints, sample_tokens
     from megatron_cascade.convert.dist_reader import read_dist_metadata
@@ -96,6 +96,7 @@ def single_worker(tmp: str) -> dict:
     with contextlib.redirect_stdout(out):
         cli_status = main(["compare", "--hf", f"{tmp}/hf", "--ckpt", f"{tmp}/meg", "--tokens", "8"])
     return {
+        "inspect": format_summary(inspect_checkpoint(f"{tmp}/meg"), show_tensors=False),
         "cli": (cli_status, out.getvalue()),
         "cfg": cfg, "hf": hf,
         "tp1": compare_checkpoints(f"{tmp}/hf", f"{tmp}/meg", tokens=TOKENS),
@@ -165,6 +166,11 @@ def test_compare_at_tp1_is_within_tolerance(converted, which):
     assert result.max_abs_diff <= ATOL, result.summary()
     assert result.max_abs_logit > 1.0, "random weights should give logits far from zero"
     assert result.argmax_agreement == 1.0
+
+
+def test_inspect_shows_the_hybrid_layout(converted):
+    _, single, _ = converted
+    assert "shared_expert=80 pattern=M*ME- mamba_heads=8x16 state=16 groups=2" in single["inspect"]
 
 
 def test_compare_cli_on_nemotron_h(converted):
