@@ -5,8 +5,9 @@ reaches its teachers' scores in fewer steps than GRPO from the same weights.
     python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims            # runs, then prints
     python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims --no-run   # print finished runs
 
-Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and ``mixed.yaml`` (``seed=<s>``; a finished
-run is skipped, an interrupted one resumes) and prints, mean ± standard error over seeds:
+Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and the RL stage of ``mixed.yaml`` from that
+cascade's SFT weights (the same start, so only the RL schedule differs; ``seed=<s>``; a finished run
+is skipped, an interrupted one resumes) and prints, mean ± standard error over seeds:
 
 1. every stage's held-out score per domain and its change from the weights it started from;
 2. each GRPO stage's gain on its own domains, in units of the eval's standard error (over prompts);
@@ -44,6 +45,23 @@ def run(config: Path, out: str, seed: int, overrides: list[str]) -> None:
            "logging.progress_bar=false", *overrides]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def mixed_from_sft(folder: str, cascade_out: str) -> Path:
+    """A config of mixed.yaml's RL stages only, starting from the cascade run's SFT weights."""
+    from megatron_cascade.config import load_config
+
+    cfg = load_config(str(EXAMPLE / "mixed.yaml"), [f"output_dir={folder}"])
+    rl = [s.name for s in cfg.stages if s.type != "sft"]
+    path = Path(folder + ".yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    stages = "\n".join(f"  - {{name: {n}, type: grpo, steps: {s.steps}, prompts_per_step: {s.prompts_per_step}, "
+                       f"samples_per_prompt: {s.samples_per_prompt}, domains: {dict(s.domains)}}}"
+                       for n, s in zip(rl, [s for s in cfg.stages if s.type != "sft"]))
+    path.write_text(f"defaults: [{EXAMPLE / 'mixed.yaml'}]\n"
+                    f"init_checkpoint: {os.path.join(cascade_out, 'stages', 'sft', 'final')}\n"
+                    f"stages:\n{stages}\n")
+    return path
 
 
 def mean_se(values: list[float]) -> str:
@@ -99,15 +117,20 @@ def gains_table(runs: list[list[StageResult]], domains_of: dict[str, list[str]])
     return lines
 
 
-def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]]) -> list[str]:
-    """The cascade's last stage and each domain's best cascade stage next to the mixed run's last stage."""
+def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]],
+                domains_of: dict[str, list[str]]) -> list[str]:
+    """Per domain: the SFT score, the cascade's score right after the GRPO stage for that domain alone,
+    at the cascade's end (what later stages left of it), and the mixed run's end."""
     domains = sorted({d for r in cascades[0] for d in r.scores})
-    lines = [f"{'domain':<24}{'cascade (end)':>16}{'cascade (best)':>16}{'mixed RL (end)':>16}"]
+    lines = [f"{'domain':<24}{'SFT':>12}{'own stage':>22}{'cascade end':>14}{'mixed RL end':>14}"]
     for d in domains:
+        own = next((i for i, r in enumerate(cascades[0]) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
+        sft = [run_[0].scores[d] for run_ in cascades if d in run_[0].scores]
+        after = [run_[own].scores[d] for run_ in cascades] if own is not None else []
         end = [run_[-1].scores[d] for run_ in cascades if d in run_[-1].scores]
-        best = [max(r.scores.get(d, 0.0) for r in run_[1:]) for run_ in cascades]
         mix = [run_[-1].scores[d] for run_ in mixed if d in run_[-1].scores]
-        lines.append(f"{d:<24}{mean_se(end):>16}{mean_se(best):>16}{mean_se(mix):>16}")
+        label = f"{mean_se(after)} ({cascades[0][own].name})" if own is not None else "-"
+        lines.append(f"{d:<24}{mean_se(sft):>12}{label:>22}{mean_se(end):>14}{mean_se(mix):>14}")
     return lines
 
 
@@ -164,7 +187,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for seed, c_out, m_out in zip(args.seeds, cascade_outs, mixed_outs):
             run(EXAMPLE / "cascade.yaml", c_out, seed, args.overrides)
             if not args.no_mixed:
-                run(EXAMPLE / "mixed.yaml", m_out, seed, args.overrides)
+                run(mixed_from_sft(m_out, c_out), m_out, seed, args.overrides)
     cascades = [stage_results(o) for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
         raise SystemExit("no finished cascade run (or runs with different stages) under " + args.out)
@@ -176,7 +199,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if mixed:
         print("\nforgetting: the cascade vs mixed RL with the same GRPO steps and data\n")
-        print("\n".join(mixed_table(cascades, mixed)))
+        print("\n".join(mixed_table(cascades, mixed, domains_of)))
     print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
     print("\n".join(mopd_vs_grpo([o for o in cascade_outs if os.path.isfile(os.path.join(o, 'manifest.json'))],
                                  cascades, domains_of)))

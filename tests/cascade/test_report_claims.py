@@ -102,3 +102,21 @@ def test_claims_tables_from_finished_runs(run_dir):
     lines = claims.mopd_vs_grpo([run_dir] * 2, runs, domains)
     a = next(line for line in lines if line.startswith("a "))
     assert "10 10" in a and "- -" in a  # MOPD within 0.03 of 0.80 at step 10; GRPO never
+
+
+def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    mixed = tmp_path / "mixed"
+    manifest = Manifest(str(mixed))
+    manifest.record("stage_order", ["mixed_rl"])
+    manifest.record_stage("mixed_rl", _stage("grpo", {"a": 0.55, "b": 0.50}, {"a": 0.03, "b": 0.03}))
+    domains = {"sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]}
+    lines = claims.mixed_table([stage_results(run_dir)], [stage_results(str(mixed))], domains)
+    a = next(line for line in lines if line.startswith("a "))
+    # SFT 0.30, after a_rl 0.80, cascade end (grpo_ref, the last stage) 0.60, mixed 0.55
+    assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.60", "0.55"]
