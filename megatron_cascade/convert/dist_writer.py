@@ -145,8 +145,8 @@ class DistCheckpointWriter:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(part, thread_count=1), no_dist=True)
 
     def _dtype_of(self, name: str) -> torch.dtype:
-        """The checkpoint dtype; tensors a 16-bit model keeps in float32 (the router's ``expert_bias``,
-        which Megatron-Core holds in float32 so that its small updates are not rounded away) stay float32."""
+        """The checkpoint dtype; tensors a 16-bit model keeps in float32 stay float32 (Megatron-Core holds
+        the router's ``expert_bias`` and Mamba's ``A_log`` and ``D`` in float32 in every precision)."""
         if self.skeleton.tensors[name].data.dtype == torch.float32 and self.model.precision != "fp32":
             return torch.float32
         return self.dtype

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.convert.nemotron_h_names import (
+    check_nemotron_h_supported, nemotron_h_global_names, nemotron_h_layer_names,
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,6 @@ def family_of_model(model: ModelConfig) -> Family:
 def global_names(family: Family, model: ModelConfig) -> dict[str, str]:
     """Megatron name -> HF name for the tensors outside the decoder layers of ``family``."""
     if family.hybrid:
-        from megatron_cascade.convert.nemotron_h_names import nemotron_h_global_names
-
         return nemotron_h_global_names(model)
     return hf_global_names(model)
 
@@ -69,8 +70,6 @@ def global_names(family: Family, model: ModelConfig) -> dict[str, str]:
 def layer_names(family: Family, model: ModelConfig, layer: int) -> dict[str, str]:
     """Megatron name -> HF name (or ``+``-joined HF names) for decoder layer ``layer`` of ``family``."""
     if family.hybrid:
-        from megatron_cascade.convert.nemotron_h_names import nemotron_h_layer_names
-
         return nemotron_h_layer_names(model, layer)
     return hf_layer_names(family, model, layer)
 
@@ -129,8 +128,6 @@ def all_hf_names(family: Family, model: ModelConfig) -> set[str]:
 def check_family_supported(family: Family, model: ModelConfig) -> None:
     """Raise if the model config needs features the family map does not cover."""
     if family.hybrid or model.architecture == "hybrid":
-        from megatron_cascade.convert.nemotron_h_names import check_nemotron_h_supported
-
         if not family.hybrid:
             raise ConversionError(f"a hybrid (Mamba) model does not map onto {family.architecture}; "
                                   f"export it as {NEMOTRON_H.architecture}")
@@ -139,7 +136,7 @@ def check_family_supported(family: Family, model: ModelConfig) -> None:
     if family.moe != bool(model.moe.num_experts):
         raise ConversionError(f"family {family.name} {'needs' if family.moe else 'cannot have'} MoE layers")
     if model.moe.shared_expert_intermediate_size:
-        raise ConversionError("shared experts are not supported by the Hugging Face exporters (no family has them)")
+        raise ConversionError("shared experts map onto nemotron_h only (a hybrid model), not onto Llama/Qwen")
     if model.moe.num_experts and model.moe.layer_freq != 1:
         raise ConversionError("MoE with dense layers in between (moe.layer_freq != 1) is not supported")
     if model.add_bias_linear or model.activation != "swiglu" or model.normalization != "RMSNorm":

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig``, refusing features the model builder lacks.
+"""Hugging Face ``config.json`` <-> ``ModelConfig``, refusing features the model builder lacks
+(``nemotron_h``: ``nemotron_h_config``).
 
 Accepts both the classic keys (``rope_theta``, ``rope_scaling``, ``torch_dtype``, ``num_experts``)
 and the transformers 5 ones (``rope_parameters``, ``dtype``, ``num_local_experts``).
@@ -14,6 +15,7 @@ import torch
 from megatron_cascade.config.model import ModelConfig, MoEConfig
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.families import QWEN3_MOE, Family, family_by_architecture
+from megatron_cascade.convert.nemotron_h_config import nemotron_h_hf_config, nemotron_h_model_config
 
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 PRECISION_TO_HF = {v: k for k, v in HF_DTYPES.items()}
@@ -78,8 +80,6 @@ def model_config_from_hf(
     """
     family = read_architecture(hf, source)
     if family.hybrid:
-        from megatron_cascade.convert.nemotron_h_config import nemotron_h_model_config
-
         return family, nemotron_h_model_config(hf, source, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                                precision=precision or hf_precision(hf, source))
     _refuse_unsupported(hf, family, source)
@@ -132,8 +132,6 @@ def hf_config_from_model(
     ``dtype`` is the precision of the written tensors (fp32|bf16|fp16).
     """
     if family.hybrid:
-        from megatron_cascade.convert.nemotron_h_config import nemotron_h_hf_config
-
         hf = nemotron_h_hf_config(model, template)
         _set_dtype(hf, template, dtype)
         return hf
