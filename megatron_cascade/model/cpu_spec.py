@@ -108,7 +108,8 @@ def _local_attention_class():
                 return super().forward(query, key, value, self._causal_mask(query, key, attention_mask),
                                        attn_mask_type=attn_mask_type, attention_bias=attention_bias)
             if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported")
+                raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: "
+                                 "only 'thd' is supported")
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             segments = (cu[1:] - cu[:-1]).tolist()
@@ -128,8 +129,8 @@ def _local_attention_class():
             rewrites only in the forward pass: recompute (selective or full) re-runs attention in the
             backward, where that call failed ("Torch not compiled with CUDA enabled")."""
             sq, sk = query.shape[0], key.shape[0]
-            if attention_mask is not None or sq == 1 or self.attn_mask_type != AttnMaskType.causal:
-                return attention_mask
+            if attention_mask is not None or sq == 1 or sq != sk or self.attn_mask_type != AttnMaskType.causal:
+                return attention_mask  # what the parent does with it (sq != sk: its assertion)
             return torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(diagonal=1)
 
         def _context_parallel(self, query, key, value, segments: list[int]):

@@ -362,10 +362,14 @@ def _run_forward_only(chunks: list, forward_step, micros: list[TrainBatch]) -> N
 
 
 def _from_last_stage(out: torch.Tensor) -> torch.Tensor:
-    """``out`` as the last pipeline stage holds it, on every stage (a broadcast under PP)."""
+    """``out`` (CPU) as the last pipeline stage holds it, on every stage (a broadcast under PP, on
+    the current accelerator: NCCL groups take no CPU tensors)."""
     ps = _parallel_state()
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        last = ps.get_pipeline_model_parallel_last_rank()
+        wire = out.to(_current_device())
+        dist.broadcast(wire, src=last, group=ps.get_pipeline_model_parallel_group())
+        out = wire.cpu()
     return out
 
 
