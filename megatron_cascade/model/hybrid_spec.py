@@ -2,8 +2,9 @@
 
 On GPU (Transformer Engine) the spec is megatron-core's ``mamba_stack_spec`` with the MoE layer's
 experts built for this config. Without TE (CPU) it is assembled here from the same module classes
-with local linears (``ColumnParallelLinear`` / ``RowParallelLinear``), local ``DotProductAttention``,
-the non-TE MoE spec and ``SequenceParallelNorm`` (``model/cpu_spec.py``) for every norm.
+with local linears (``ColumnParallelLinear`` / ``RowParallelLinear``), the local core attention that
+also takes packed (THD) rows (``model/cpu_spec.local_packed_attention``), the non-TE MoE spec and
+``SequenceParallelNorm`` (``model/cpu_spec.py``) for every norm.
 
 Checkpoint names: TE fuses a layer's pre-norm into the next linear (``mixer.in_proj.layer_norm_weight``,
 ``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``) and keeps the MoE
@@ -14,7 +15,7 @@ loads into the TE model and back (the same rule as the GPT specs, ``model/spec_l
 
 from __future__ import annotations
 
-from megatron_cascade.model.cpu_spec import SequenceParallelNorm
+from megatron_cascade.model.cpu_spec import SequenceParallelNorm, local_packed_attention
 
 _MIXER_NORM_AS_TE = {"norm.": "mixer.in_proj.layer_norm_"}
 _ATTENTION_NORM_AS_TE = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
@@ -49,7 +50,6 @@ def local_hybrid_stack_spec(config, hybrid):
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -69,7 +69,7 @@ def local_hybrid_stack_spec(config, hybrid):
         input_layernorm=SequenceParallelNorm,
         self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                   submodules=SelfAttentionSubmodules(
-                                      linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                                      linear_qkv=ColumnParallelLinear, core_attention=local_packed_attention(),
                                       linear_proj=RowParallelLinear)),
         self_attn_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map=_ATTENTION_NORM_AS_TE))
