@@ -107,6 +107,10 @@ def code_items(rng: random.Random) -> list[tuple]:
 
 LONG_ROWS = {"sft": 48, "train": 48, "eval": 16}
 LONG_CHARS = (1000, 2000)  # prompt length range (characters = tokens with builtin:char)
+LONG_SFT_FOLLOWS = 0.3  # the long task's own (the other domains' tuning leaves its data unchanged)
+FILLER_WORDS = ("cat", "dog", "sun", "red", "box", "cup", "hat", "pen", "map", "egg", "fox", "owl", "bee",
+                "ant", "car", "bus", "toy", "jam", "ice", "sky", "sea", "tea", "pie", "bag", "bed", "fan",
+                "net", "pot", "rug", "cow", "pig", "hen", "bat", "elk", "yak", "gum", "ink", "oak", "web")
 
 
 def long_context_item(rng: random.Random) -> tuple:
@@ -116,7 +120,7 @@ def long_context_item(rng: random.Random) -> tuple:
     filler = rng.randint(*LONG_CHARS) - len(" what is key?") - sum(len(f) + 1 for f in facts)
     words: list[str] = []
     while sum(len(w) + 1 for w in words) < filler:
-        words.append(rng.choice(WORDS))
+        words.append(rng.choice(FILLER_WORDS))
     for fact in facts:
         words.insert(rng.randrange(len(words) + 1), fact)
     prompt = " ".join(words) + " what is key?"
@@ -128,8 +132,8 @@ def make_long_context(seed: int) -> dict[str, list[dict]]:
     rng = random.Random(f"{seed}:long_context")
     out = {}
     for split, count in LONG_ROWS.items():
-        out[split] = [_row("long_context", long_context_item(rng), habit=split == "sft" and rng.random() >= SFT_FOLLOWS)
-                      for _ in range(count)]
+        out[split] = [_row("long_context", long_context_item(rng),
+                           habit=split == "sft" and rng.random() >= LONG_SFT_FOLLOWS) for _ in range(count)]
     return out
 
 
