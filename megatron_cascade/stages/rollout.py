@@ -27,7 +27,7 @@ class RolloutStage(StageType):
     has rewards), and train on them."""
 
     multi_turn = False  # set by setup: a domain of the stage has a multi-turn environment
-    episode_metrics: list[str] = []  # set by setup: the metric names of those environments
+    episode_metrics: tuple[str, ...] = ()  # set by setup: the metric names of those environments
 
     def setup(self) -> None:
         r = self.runner
@@ -35,8 +35,8 @@ class RolloutStage(StageType):
         self.episodes = domain_episode_settings(r.cfg.domains, list(r.stage.domains), r.tok,
                                                 r.stage.rollout.max_new_tokens)
         # Stages with a multi-turn domain log episode metrics (keys the same on every rank).
-        self.episode_metrics = sorted({m for s in self.episodes.values() if not s.env.one_turn
-                                       for m in s.env.metric_names})
+        self.episode_metrics = tuple(sorted({m for s in self.episodes.values() if not s.env.one_turn
+                                             for m in s.env.metric_names}))
         self.multi_turn = any(not s.env.one_turn for s in self.episodes.values())
 
     def make_batch(self, step: int, examples: list[Example]) -> StepBatch:
@@ -67,9 +67,10 @@ class RolloutStage(StageType):
         G = r.stage.samples_per_prompt
         t0 = time.perf_counter()
         finish_param_sync(r.policy)  # generation reads the weights of the last step
-        # Each episode is scored the moment it ends, while the others go on.
+        # Each episode is scored the moment it ends, while the others go on (a group reward once the
+        # G episodes of its prompt have ended).
         scorer = RolloutScorer(self.rewards, r.cfg.domains, r.tok, [e.row for e in examples],
-                               [e.domain for e in examples]) if self.entry.rewards else None
+                               [e.domain for e in examples], group_size=G) if self.entry.rewards else None
         with scorer or contextlib.nullcontext():
             rollouts = run_episodes(r.policy.module, [list(e.prompt_ids) for e in examples], [e.row for e in examples],
                                     [self.episodes[e.domain] for e in examples], self.sampling(step, G, round),
