@@ -18,8 +18,8 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
 Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
 layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
 attention-only, MLP-only and MoE-only layers. They generate through the static context
-(``rollout/static.py``): every local sample's KV (attention layers only) and Mamba states at once,
-and one prefill of all of them; ``rollout.kv_cache_*`` do not apply.
+(``rollout/static.py``): batches of as many samples as ``rollout.kv_cache_*`` holds, each row with
+its K/V (attention layers only) and Mamba states, and one prefill per batch.
 """
 
 from __future__ import annotations
@@ -439,7 +439,8 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
     prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
     if m.architecture == "hybrid":
-        return _static_generation_plan(m, layout, samples, prompt, r.max_new_tokens)
+        budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * max(free_bytes, 0)
+        return _static_generation_plan(m, layout, stage, samples, prompt, budget)
     block = r.kv_block_size_tokens * kv_bytes_per_token(m, layout)
     per_sample = math.ceil((prompt + r.max_new_tokens) / r.kv_block_size_tokens) * block
     budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * free_bytes
@@ -458,20 +459,29 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     return GenerationPlan(min(budget, samples * per_sample + block), step, concurrent, samples)
 
 
-def _static_generation_plan(m: ModelConfig, layout: Layout, samples: int, prompt: int,
-                            max_new_tokens: int) -> GenerationPlan:
-    """The static generator of hybrid models (``rollout/static.py``): one left-padded batch of every
-    local sample, a KV cache of prompt + max_new_tokens positions per sample in the attention layers
-    and one conv + SSM state per sample in the Mamba layers; the prefill runs all prompts at once."""
-    length = min(prompt + max_new_tokens, m.max_position_embeddings)
-    cache = samples * (length * kv_bytes_per_token(m, layout) + mamba_state_bytes_per_sample(m, layout))
-    shape = Shape(prompt, samples)
+def _static_generation_plan(m: ModelConfig, layout: Layout, stage: ResolvedStage, samples: int, prompt: int,
+                            budget: float) -> GenerationPlan:
+    """The static generator of hybrid models (``rollout/static.py``): left-padded batches of as many
+    samples as the budget holds (``rollout.kv_cache_bytes``, or ``kv_cache_fraction`` of the memory
+    the static state leaves), each row keeping prompt + max_new_tokens positions of K/V in the
+    attention layers and one conv + SSM state per Mamba layer; a batch's prefill runs its prompts at once.
+
+    Raises ``ConfigError`` when the budget cannot hold one row (generation would refuse to start).
+    """
+    length = min(prompt + stage.rollout.max_new_tokens, m.max_position_embeddings)
+    per_row = length * kv_bytes_per_token(m, layout) + mamba_state_bytes_per_sample(m, layout)
+    rows = min(samples, int(budget // per_row))
+    if rows < 1:
+        key = "rollout.kv_cache_bytes" if stage.rollout.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
+        raise ConfigError(f"stage {stage.name}: the generation cache budget ({budget / GIB:.1f} GiB from {key}) "
+                          f"cannot hold one row of {length} tokens ({per_row / GIB:.2f} GiB of attention K/V and "
+                          "Mamba state per GPU): raise it, or lower rollout.max_new_tokens / data.max_prompt_tokens")
     e, t = _DTYPE_BYTES[m.precision], layout.tp
     _, d_inner, _, width = _mamba_sizes(m)
-    mamba = e * prompt * samples * (2 * m.hidden_size + (width + d_inner) / t)  # in_proj out, scan out
-    step = max(prefill_bytes(m, layout, shape, fused_attention=True), mamba)
-    step += (e + 4) * samples * m.padded_vocab_size  # the last column's gathered logits, sampled in fp32
-    return GenerationPlan(cache, step, samples, samples)
+    mamba = e * prompt * rows * (2 * m.hidden_size + (width + d_inner) / t)  # in_proj out, scan out
+    step = max(prefill_bytes(m, layout, Shape(prompt, rows), fused_attention=True), mamba)
+    step += (e + 4) * rows * m.padded_vocab_size  # the last column's gathered logits, sampled in fp32
+    return GenerationPlan(rows * per_row, step, rows, samples)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from megatron_cascade.rollout.batch import RolloutBatch, RolloutSample
 from megatron_cascade.rollout.engine import PagedGenerator
+from megatron_cascade.rollout.kv_budget import static_batch_rows
 from megatron_cascade.rollout.model_runner import is_hybrid, unwrap_model
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.stage_forward import sequence_parallel_off
@@ -49,10 +50,10 @@ def generate(
         max_sequence_length: prompt + response limit in tokens; default the model's
             ``max_sequence_length`` (``model.max_position_embeddings``).
         use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``); for a
-            hybrid (Mamba) model, static batches per prompt length over Megatron's static context,
-            which also caches the SSM states (``static.py``; ``kv_cache`` and
-            ``overlap_pipeline_stages`` do not apply). False: the static batch recomputing the whole
-            prefix every token (the reference).
+            hybrid (Mamba) model, static batches over Megatron's static context, which also caches
+            the Mamba states (``static.py``): as many rows per batch as ``kv_cache``'s budget holds
+            (``overlap_pipeline_stages`` does not apply). False: the static batch recomputing the
+            whole prefix every token (the reference).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
             half the free memory); requests that do not fit wait, one that never can is refused.
         on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
@@ -82,8 +83,9 @@ def generate(
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
         if use_kv_cache and is_hybrid(model):
             # The paged engine keeps no SSM state; the static context does (model_runner.py).
+            rows = _static_rows(gpt, samples, budgets, kv_cache or KVCacheConfig())
             generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=True,
-                            on_finished=on_finished)
+                            on_finished=on_finished, max_rows=rows)
         elif use_kv_cache:
             engine = PagedGenerator(model, samples, budgets, params, tokenizer, kv_cache or KVCacheConfig(),
                                     on_finished, overlap_pipeline_stages)
@@ -96,6 +98,16 @@ def generate(
             generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=False,
                             on_finished=on_finished)
     return RolloutBatch(samples, params, stats)
+
+
+def _static_rows(gpt: torch.nn.Module, samples: list[RolloutSample], budgets: list[int],
+                 kv_cache: KVCacheConfig) -> Optional[int]:
+    """Rows per static batch that ``kv_cache``'s budget holds (a row at its longest: the longest
+    prompt + the largest response budget); None without samples."""
+    if not samples:
+        return None
+    row_tokens = max(len(s.prompt_ids) for s in samples) + max(budgets)
+    return static_batch_rows(gpt, kv_cache, next(gpt.parameters()).device, row_tokens)
 
 
 def _budgets(samples: list[RolloutSample], max_new_tokens: int, limit: int) -> list[int]:

@@ -103,3 +103,48 @@ def usable_blocks(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, ne
             f"{largest}: raise rollout.kv_cache_bytes (or rollout.kv_cache_fraction), or lower "
             f"rollout.max_new_tokens / the prompt length")
     return blocks
+
+
+def static_row_bytes(gpt: torch.nn.Module, row_tokens: int) -> int:
+    """Bytes one row of a static generation batch holds on this rank (hybrid models,
+    ``rollout/static.py``): the K/V of ``row_tokens`` positions in each attention layer of this
+    stage (its TP share of the KV heads) plus each Mamba layer's conv and SSM state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.attention import Attention
+
+    cfg = gpt.config
+    itemsize = cfg.params_dtype.itemsize
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    kv_heads = max(groups // ps.get_tensor_model_parallel_world_size(), 1)
+    total = 0
+    for layer in gpt.decoder.layers:
+        if isinstance(layer, MambaLayer):
+            conv, ssm = layer.mamba_state_shapes_per_request()
+            total += (math.prod(conv) + math.prod(ssm)) * itemsize
+        elif isinstance(getattr(layer, "self_attention", None), Attention):  # not the MLP / MoE-only layers
+            total += 2 * row_tokens * kv_heads * cfg.kv_channels * itemsize
+    return total
+
+
+def static_batch_rows(gpt: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, row_tokens: int) -> int:
+    """Rows of one static generation batch the budget (``kv_cache_bytes``, else ``kv_cache_fraction``
+    of free memory) holds at ``row_tokens`` positions each, agreed on (MIN) by every rank of the
+    model-parallel group (they must batch alike).
+
+    Raises:
+        ValueError: not even one row fits the budget.
+    """
+    from megatron.core import parallel_state as ps
+
+    per_row = static_row_bytes(gpt, row_tokens)
+    rows = torch.tensor([budget_bytes(cfg, device) // max(per_row, 1)], dtype=torch.int64, device=device)
+    if dist.is_initialized() and ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
+        dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
+    count = int(rows.item())
+    if count < 1:
+        raise ValueError(
+            f"the generation cache budget cannot hold one row of {row_tokens} tokens ({per_row} bytes of "
+            "attention K/V and Mamba state on this rank): raise rollout.kv_cache_bytes (or "
+            "rollout.kv_cache_fraction), or lower rollout.max_new_tokens / the prompt length")
+    return count

@@ -37,16 +37,17 @@ OnFinished = Callable[[int, RolloutSample], None]
 
 def generate_static(model: torch.nn.Module, samples: list[RolloutSample], params: SamplingParams, *,
                     tokenizer: Tokenizer, limit: int, use_kv_cache: bool,
-                    on_finished: Optional[OnFinished] = None) -> None:
-    """Fill ``samples`` (prompt-major, ``prompt_ids`` set) in static batches; collective over the
-    model-parallel group. The model must already be in eval mode under ``no_grad``."""
+                    on_finished: Optional[OnFinished] = None, max_rows: Optional[int] = None) -> None:
+    """Fill ``samples`` (prompt-major, ``prompt_ids`` set) in static batches of at most ``max_rows``
+    rows (None: no limit); collective over the model-parallel group (and the expert-parallel group).
+    The model must already be in eval mode under ``no_grad``."""
     rows = [s.prompt_ids for s in samples]
     device = next(model.parameters()).device
     stop = StopCriteria(params, tokenizer)
     keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
                         dtype=torch.int64, device=device)
     lockstep = _ExpertLockstep.for_model(model)
-    for group in _batches(rows, accepts_padding_mask(model)):
+    for group in _batches(rows, accepts_padding_mask(model), max_rows):
         batch = left_pad([rows[i] for i in group], tokenizer.pad_id, params.max_new_tokens, limit, device)
         runner = StepRunner(model, batch, use_kv_cache)
         try:
@@ -95,17 +96,22 @@ class _ExpertLockstep:
             self.forward.dummy()
 
 
-def _batches(rows: Sequence[Sequence[int]], padding_ok: bool) -> list[list[int]]:
+def _batches(rows: Sequence[Sequence[int]], padding_ok: bool, max_rows: Optional[int] = None) -> list[list[int]]:
     """Row indices per forward batch: all rows at once (left-padded), or one batch per prompt
-    length where the attention cannot mask padding (no padding is then needed)."""
+    length where the attention cannot mask padding (no padding is then needed); each cut into
+    batches of at most ``max_rows`` rows (the cache budget's)."""
     if not rows:
         return []
     if padding_ok:
-        return [list(range(len(rows)))]
-    by_length: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        by_length.setdefault(len(row), []).append(i)
-    return list(by_length.values())
+        groups = [list(range(len(rows)))]
+    else:
+        by_length: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_length.setdefault(len(row), []).append(i)
+        groups = list(by_length.values())
+    if max_rows is None:
+        return groups
+    return [group[i:i + max_rows] for group in groups for i in range(0, len(group), max_rows)]
 
 
 def _decode_loop(runner: StepRunner, batch: PaddedBatch, group: list[int], samples: list[RolloutSample],

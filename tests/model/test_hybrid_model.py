@@ -107,3 +107,34 @@ def test_mamba_activation_and_state_terms_by_hand():
     assert mamba_state_bytes_per_sample(m, LAYOUT) == pytest.approx(2 * (conv * 4 + heads * 8 * 16) / t * e)
     # Only the one attention layer of "M*ME" holds K/V: 2 x (2 groups / TP) x head dim 8 x 4 bytes.
     assert kv_bytes_per_token(m, LAYOUT) == 2 * 1 * 1 * 8 * 4
+
+
+HYBRID_YAML = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "tiny_cascade" / "hybrid.yaml")
+
+
+def test_plan_of_the_static_generator_follows_the_budget(tmp_path):
+    """Hybrid generation plans batches of as many rows as rollout.kv_cache_bytes holds; less than a row is refused."""
+    from megatron_cascade.cascade.plan import generation_plan
+    from megatron_cascade.config import load_config, resolve_stage
+    from megatron_cascade.model import resolve_layout
+
+    def plan(kv_bytes):
+        cfg = load_config(HYBRID_YAML, [f"output_dir={tmp_path}", f"rollout.kv_cache_bytes={kv_bytes}",
+                                        "rollout.max_new_tokens=40", "data.max_prompt_tokens=60"],
+                          check_paths=False)
+        layout = resolve_layout(cfg.model, cfg.parallel, 1, check_this_machine=False)
+        stage = resolve_stage(cfg, next(s for s in cfg.stages if s.type == "grpo"))
+        samples.append(stage.prompts_per_step * stage.samples_per_prompt)
+        return generation_plan(cfg, layout, stage, free_bytes=2**30), cfg.model, layout
+
+    samples = []
+    gen, m, layout = plan(2**30)
+    # hybrid.yaml: hidden 128, heads 8 x 32, groups 2, state 32, kernel 4; "M*ME": 1 attention, 2 Mamba layers.
+    per_row = 100 * 2 * 2 * 32 * 4 + 2 * ((256 + 2 * 2 * 32) * 4 + 8 * 32 * 32) * 4
+    assert kv_bytes_per_token(m, layout) * 100 + mamba_state_bytes_per_sample(m, layout) == per_row
+    n = samples[0]
+    assert n > 5 and (gen.samples, gen.concurrent, gen.kv_cache) == (n, n, n * per_row)
+    gen, _, _ = plan(int(5.5 * per_row))
+    assert (gen.concurrent, gen.kv_cache) == (5, 5 * per_row)
+    with pytest.raises(ConfigError, match="cannot hold one row of 100 tokens"):
+        plan(per_row - 1)

@@ -73,7 +73,25 @@ def _single_worker(weights_dir):
                             logprobs=[s.response_logprobs for s in cached],
                             recomputed_logprobs=[s.response_logprobs for s in recomputed],
                             forced=_teacher_forced_logprobs(model, cached))
+    result["budget"] = _budget_checks(model)
     return result
+
+
+def _budget_checks(model):
+    """Rows per static batch follow the cache budget: tokens unchanged; a budget below one row refused."""
+    from megatron_cascade.rollout import KVCacheConfig
+    from megatron_cascade.rollout.kv_budget import static_row_bytes
+
+    row_tokens = max(len(p) for p in PROMPTS) + GREEDY.max_new_tokens
+    per_row = static_row_bytes(model, row_tokens)
+    three_rows = KVCacheConfig(kv_cache_bytes=3 * per_row + 1)
+    budgeted = generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, use_kv_cache=True, kv_cache=three_rows)
+    try:
+        generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, kv_cache=KVCacheConfig(kv_cache_bytes=per_row - 1))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return dict(per_row=per_row, row_tokens=row_tokens, tokens=_tokens(budgeted), refused=refused)
 
 
 def _ep_worker(weights_dir):
@@ -107,3 +125,12 @@ def test_expert_parallel_ranks_step_together_and_match_one_process(single):
     ranks = run_distributed(_ep_worker, 2, weights, timeout_s=240)
     reference = result["greedy"]["cached"]
     assert ranks[0] + ranks[1] == reference  # prompts 0-2 on rank 0, prompt 3 on rank 1 (n = 2 each)
+
+
+def test_static_batches_follow_the_cache_budget(single):
+    budget = single[1]["budget"]
+    # K/V of the one attention layer (2 groups x head dim 8) + conv [128, 4] and SSM [8, 8, 16] states of the
+    # two Mamba layers, fp32.
+    assert budget["per_row"] == 4 * (2 * budget["row_tokens"] * 2 * 8 + 2 * (128 * 4 + 8 * 8 * 16))
+    assert budget["tokens"] == single[1]["greedy"]["cached"]  # 8 rows in batches of 3
+    assert "cannot hold one row" in budget["refused"] and "rollout.kv_cache_bytes" in budget["refused"]
