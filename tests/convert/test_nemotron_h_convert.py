@@ -4,7 +4,8 @@ The model has one layer of each kind (pattern ``M*ME-``: Mamba-2, attention, Mam
 shared expert and expert bias, dense relu² MLP), 2 Mamba groups (TP=2 splits them), GQA 4/2 and a
 vocab of 200 padded to 256; every parameter is randomised, the expert bias too, so that any mix-up
 (a z/x/B/C/dt part sharded as one block, a wrong expert, a dropped bias) moves the logits.
-One single-process worker converts (fp32 and bf16) and compares at TP=1 (also through ``convert compare``); one two-process worker
+One single-process worker converts (fp32 and bf16; also a checkpoint without the imported HF config,
+as training writes them) and compares at TP=1 (also through ``convert compare``); one two-process worker
 compares at TP=2 + sequence parallel and EP=2 and reloads a checkpoint saved at TP=2 at TP=1.
 """
 
@@ -14,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -91,6 +93,9 @@ def single_worker(tmp: str) -> dict:
     megatron_to_hf(f"{tmp}/meg_bf16", f"{tmp}/hf_bf16_back")
     with torch.no_grad():
         hf = model(sample_tokens(VOCAB, TOKENS)).logits.float()
+    # a checkpoint without the imported HF config (as training writes them): the config is made from ours
+    shutil.copytree(f"{tmp}/meg", f"{tmp}/meg_trained", ignore=shutil.ignore_patterns("hf"))
+    megatron_to_hf(f"{tmp}/meg_trained", f"{tmp}/hf_from_scratch")
     meta = read_dist_metadata(f"{tmp}/meg_bf16").state_dict_metadata
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -102,6 +107,7 @@ def single_worker(tmp: str) -> dict:
         "tp1": compare_checkpoints(f"{tmp}/hf", f"{tmp}/meg", tokens=TOKENS),
         "resharded": compare_checkpoints(f"{tmp}/hf", f"{tmp}/meg_tp2", tokens=TOKENS),
         "bf16": compare_checkpoints(f"{tmp}/hf_bf16", f"{tmp}/meg_bf16", tokens=TOKENS),
+        "from_scratch": compare_checkpoints(f"{tmp}/hf_from_scratch", f"{tmp}/meg_trained", tokens=TOKENS),
         "keys": {k: (tuple(v.size), v.properties.dtype) for k, v in meta.items() if hasattr(v, "chunks")},
     }
 
@@ -159,7 +165,7 @@ def test_config_maps_to_a_hybrid_model(converted):
         ("sigmoid", True, 2.5)
 
 
-@pytest.mark.parametrize("which", ["tp1", "resharded"])
+@pytest.mark.parametrize("which", ["tp1", "resharded", "from_scratch"])
 def test_compare_at_tp1_is_within_tolerance(converted, which):
     _, single, _ = converted
     result = single[which]
