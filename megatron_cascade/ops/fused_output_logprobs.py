@@ -6,7 +6,9 @@ output projection ``hidden @ weight.T`` runs one chunk of tokens at a time: each
 reduced to a log-sum-exp and a target logit (per token) and dropped; the backward recomputes them
 chunk by chunk and turns them straight into the gradients of ``hidden`` and ``weight``. Nothing
 [tokens, vocab]-sized is ever held; the log-sum-exp is combined across the tensor-parallel group with
-the small all-reduces of :mod:`megatron_cascade.ops.logprobs`.
+the small all-reduces of :mod:`megatron_cascade.ops.logprobs`. The trainer's forward steps (training,
+teacher, reference and old-policy log-probs) use it in place of the model's output layer
+(``training/output_head.py``).
 
 Tensor-parallel convention (that of Megatron's output layer, a ColumnParallelLinear, followed by its
 vocab-parallel cross-entropy): ``hidden`` is replicated over the TP group, ``weight`` is this rank's

@@ -111,11 +111,15 @@ def fused_logprob_head(model: torch.nn.Module, targets: torch.Tensor, *, tempera
         channels = out if with_entropy else (out,)
         return torch.stack(channels, dim=-1), None  # [S, b, k]; the model transposes it to [b, S, k]
 
+    previous = layer.__dict__.get("forward")  # an instance-level forward someone else set, if any
     layer.forward = head
     try:
         yield
     finally:
-        del layer.forward  # the class's forward again
+        if previous is None:
+            del layer.forward  # the class's forward again
+        else:
+            layer.forward = previous
 
 
 def split_head_output(output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
