@@ -88,7 +88,8 @@ def _both_heads_worker(model_cfg, parallel, micro_batch_size, kind):
 
 def _assert_heads_agree(results, tol=1e-5):
     for rank, (out, last_stage) in enumerate(results):
-        (metrics, logprobs, grads, calls), (ref_metrics, ref_logprobs, ref_grads, ref_calls) = out["fused"], out["logits"]
+        metrics, logprobs, grads, calls = out["fused"]
+        ref_metrics, ref_logprobs, ref_grads, ref_calls = out["logits"]
         assert ref_calls == 0 and (calls > 0) == last_stage, (rank, calls, ref_calls, last_stage)
         assert metrics.keys() == ref_metrics.keys() and metrics["entropy_mean"] > 0
         for key, ref in ref_metrics.items():
