@@ -1,4 +1,4 @@
-"""Checkpoint conversion benchmark. Run: ``python benchmarks/convert.py [--family llama|nemotron_h] [--layers 24 --hidden 1024]``.
+"""Checkpoint conversion benchmark. Run: ``python benchmarks/convert.py [--family llama|nemotron_h] [--hidden 1024]``.
 
 Writes a random Hugging Face checkpoint — Llama-style by default (~480M parameters: 24 layers,
 hidden 1024, FFN 4096, 16 heads / 8 KV heads, vocab 50000), or with ``--family nemotron_h`` a

@@ -78,7 +78,8 @@ def _compare(args: argparse.Namespace) -> int:
     result = compare_checkpoints(args.hf, args.ckpt, tokens=args.tokens, seed=args.seed)
     print(result.summary())
     if result.max_abs_diff > args.tolerance:
-        print(f"FAIL: the difference {result.max_abs_diff:.3e} is above --tolerance {args.tolerance:g}", file=sys.stderr)
+        print(f"FAIL: the difference {result.max_abs_diff:.3e} is above --tolerance {args.tolerance:g}",
+              file=sys.stderr)
         return 1
     print(f"OK: within --tolerance {args.tolerance:g}")
     return 0

@@ -56,7 +56,7 @@ def nemotron_h_layer_names(model: ModelConfig, layer: int) -> dict[str, str]:
     if symbol == "*":
         return {
             m + "input_layernorm.weight": norm,
-            m + "self_attention.linear_qkv.weight": "+".join(f"{mixer}{p}.weight" for p in ("q_proj", "k_proj", "v_proj")),
+            m + "self_attention.linear_qkv.weight": "+".join(f"{mixer}{p}_proj.weight" for p in "qkv"),
             m + "self_attention.linear_proj.weight": mixer + "o_proj.weight",
         }
     if symbol == "-":

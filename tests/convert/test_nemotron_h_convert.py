@@ -156,11 +156,13 @@ def test_config_maps_to_a_hybrid_model(converted):
     _, single, _ = converted
     cfg = single["cfg"]
     assert cfg.architecture == "hybrid" and cfg.hybrid.layer_pattern == "M*ME-"
-    assert (cfg.hybrid.mamba_num_heads, cfg.hybrid.mamba_head_dim, cfg.hybrid.mamba_state_dim,
-            cfg.hybrid.mamba_num_groups, cfg.hybrid.mamba_conv_kernel, cfg.hybrid.mamba_chunk_size) == (8, 16, 16, 2, 4, 8)
+    h = cfg.hybrid
+    assert (h.mamba_num_heads, h.mamba_head_dim, h.mamba_state_dim, h.mamba_num_groups, h.mamba_conv_kernel,
+            h.mamba_chunk_size) == (8, 16, 16, 2, 4, 8)
     assert (cfg.activation, cfg.position_embedding_type, cfg.padded_vocab_size) == ("squared_relu", "none", 256)
     moe = cfg.moe
-    assert (moe.num_experts, moe.router_topk, moe.ffn_hidden_size, moe.shared_expert_intermediate_size) == (4, 2, 48, 80)
+    assert (moe.num_experts, moe.router_topk, moe.ffn_hidden_size,
+            moe.shared_expert_intermediate_size) == (4, 2, 48, 80)
     assert (moe.router_score_function, moe.router_enable_expert_bias, moe.router_topk_scaling_factor) == \
         ("sigmoid", True, 2.5)
 

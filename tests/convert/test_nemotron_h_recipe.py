@@ -55,4 +55,5 @@ def test_dry_run_plans_the_hybrid_layout(capsys):
     assert code == 0, out
     assert "layout: TP=2 PP=4 CP=1 EP=8 ETP=1 DP=8 expert-DP=2 sequence_parallel=True" in out, out
     stages = out[out.index("stages:"):out.index("memory plan per GPU")].splitlines()[1:]
-    assert [line.split()[0] for line in stages] == [s["name"] for s in yaml.safe_load(NANO_CASCADE.read_text())["stages"]]
+    names = [s["name"] for s in yaml.safe_load(NANO_CASCADE.read_text())["stages"]]
+    assert [line.split()[0] for line in stages] == names

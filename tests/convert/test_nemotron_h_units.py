@@ -95,14 +95,16 @@ def test_norms_and_experts_map_to_the_transformer_engine_specs_names():
     _, cfg = model_config_from_hf(NANO, "nano/config.json")
     te_names = {  # layer 0 (M) and 1 (E) of megatron-core's mamba_stack_spec (grouped-GEMM experts), 5 (*)
         "decoder.layers.0.mixer.in_proj.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
-        "decoder.layers.1.mlp.experts.linear_fc1.weight7", "decoder.layers.5.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight7",
+        "decoder.layers.5.self_attention.linear_qkv.layer_norm_weight",
     }
     resolved = {}
     for layer in (0, 1, 5):
         resolved.update(resolve_spec_names(nemotron_h_layer_names(cfg, layer), te_names))
     assert resolved["decoder.layers.0.mixer.in_proj.layer_norm_weight"] == "backbone.layers.0.norm.weight"
     assert resolved["decoder.layers.1.pre_mlp_layernorm.weight"] == "backbone.layers.1.norm.weight"
-    assert resolved["decoder.layers.1.mlp.experts.linear_fc1.weight7"] == "backbone.layers.1.mixer.experts.7.up_proj.weight"
+    expert = resolved["decoder.layers.1.mlp.experts.linear_fc1.weight7"]
+    assert expert == "backbone.layers.1.mixer.experts.7.up_proj.weight"
     assert resolved["decoder.layers.5.self_attention.linear_qkv.layer_norm_weight"] == "backbone.layers.5.norm.weight"
     # names the model has stay as they are (the local spec)
     local = resolve_spec_names(nemotron_h_layer_names(cfg, 0), {"decoder.layers.0.norm.weight"})
