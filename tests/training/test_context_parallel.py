@@ -59,7 +59,8 @@ def _step(parallel: ParallelConfig, weights, batch, trainings: dict):
 # longest sequence), MOPD with several sequences in each 40-token row.
 PACKED_40 = TrainingConfig(micro_batch_size=4, sequence_packing=True, max_tokens_per_row=40)
 CP_TRAININGS = {"grpo": ("grpo", TrainingConfig(micro_batch_size=4)), "mopd": ("mopd", PACKED_40)}
-DP_TRAININGS = {"grpo": ("grpo", TrainingConfig(micro_batch_size=2)), "mopd": ("mopd", TrainingConfig(micro_batch_size=2)),
+DP_TRAININGS = {"grpo": ("grpo", TrainingConfig(micro_batch_size=2)),
+                "mopd": ("mopd", TrainingConfig(micro_batch_size=2)),
                 "grpo-packed": ("grpo", PACKED_40), "mopd-packed": ("mopd", PACKED_40)}
 
 
