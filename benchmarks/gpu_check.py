@@ -11,6 +11,8 @@ Checks, each printed as PASS / FAIL / SKIP with its figures:
                   after the steps stay near the loaded ones instead of snapping back to the build-time
                   init); step time, tokens/s, peak memory;
   fp8_step        the same with FP8 (hybrid, delayed scaling) — TE only, else SKIP;
+  fused_logprob_head  a train step's forward+backward with the fused log-prob head vs the logits path:
+                  the same loss at a lower peak memory;
   generation      sampling with Megatron's static KV cache; new tokens/s.
 
 Nothing is installed: megatron-core and torch come from the Python running this, megatron_cascade from
@@ -234,6 +236,31 @@ def check_bf16_step(policy, loaded, init, args: argparse.Namespace) -> Result:
     return Result("bf16_step", "PASS" if ok else "FAIL", "masters reloaded: trains from the loaded weights", figures)
 
 
+def check_fused_logprob_head(policy, args: argparse.Namespace) -> Result:
+    """One forward+backward with the fused log-prob head vs the logits path (same weights): the same
+    loss at a lower peak (no [tokens, vocab] logits or logits gradient)."""
+    from megatron_cascade.config.training import LossConfig, TrainingConfig
+    from megatron_cascade.training import LossSpec
+    from megatron_cascade.training.step import compute_gradients
+
+    batch, figures = train_batch(args), {}
+    training = TrainingConfig(micro_batch_size=max(1, args.batch // 2))
+    for head in ("logits", "fused"):
+        spec = LossSpec("sft", LossConfig(), vocab_size=args.vocab, output_head=head)
+        compute_gradients(policy, batch, spec, training)  # warm-up
+        _sync()
+        _reset_peak()
+        start = time.perf_counter()
+        metrics = compute_gradients(policy, batch, spec, training)
+        _sync()
+        figures.update({f"{head}_s": time.perf_counter() - start, f"{head}_peak_gib": _peak_gib(),
+                        f"{head}_loss": float(metrics["loss"])})
+    ok = (abs(figures["fused_loss"] - figures["logits_loss"]) <= 1e-3 * max(1.0, abs(figures["logits_loss"]))
+          and figures["fused_peak_gib"] < figures["logits_peak_gib"])
+    return Result("fused_logprob_head", "PASS" if ok else "FAIL", "fused head: the logits path's loss at a lower peak",
+                  figures)
+
+
 def check_fp8_step(args: argparse.Namespace) -> Result:
     import math
 
@@ -313,6 +340,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
             results.append(guard("cpu_checkpoint", lambda: check_cpu_checkpoint(policy, ref_dir)))
             loaded = flat_weights(policy)
             results.append(guard("bf16_step", lambda: check_bf16_step(policy, loaded, init, args)))
+            results.append(guard("fused_logprob_head", lambda: check_fused_logprob_head(policy, args)))
             results.append(guard("generation", lambda: check_generation(policy, args)))
             del policy
             if torch.cuda.is_available():
