@@ -118,10 +118,10 @@ def reference_checks(model) -> dict:
     out["hang_s"] = time.perf_counter() - start
     out["hang_finished"] = sorted(state["row"]["id"] for state in hang.env.finished)
     out["hang"] = _summary(hung)
-    slow_start = _settings(ScriptedEnv(TOK, turns=TURNS, hang_s=2.0, hang_in="start"), timeout=0.5)
+    slow_start = _settings(ScriptedEnv(TOK, turns=TURNS, hang_s=1.0, hang_in="start"), timeout=0.3)
     out["slow_start"] = _summary(run_episodes(model, PROMPTS, ROWS, [slow_start] * 3, dataclasses.replace(PARAMS, n=1),
                                               tokenizer=TOK))
-    time.sleep(2.5)  # the abandoned start returns meanwhile
+    time.sleep(1.5)  # the abandoned start returns meanwhile
     out["slow_start_finished"] = sorted(state["row"]["id"] for state in slow_start.env.finished)
     return out
 

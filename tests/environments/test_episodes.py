@@ -96,7 +96,7 @@ def test_hanging_step_times_out_and_the_others_finish(ref):
 
 
 def test_episode_abandoned_while_its_environment_starts_is_released(ref):
-    """Prompt 2's ``start`` (e.g. a workspace checkout) takes 2 s, past the 0.5 s step timeout: the
+    """Prompt 2's ``start`` (e.g. a workspace checkout) takes 1 s, past the 0.3 s step timeout: the
     episode ends at once, and its state is released (``finish``) when the abandoned ``start``
     returns. Before, ``finish`` was owed only for states the runner saw started: never called."""
     assert ref["slow_start"]["timed_out"] == [False, False, True]

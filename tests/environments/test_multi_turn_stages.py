@@ -32,7 +32,7 @@ domains:
     environment: {{name: "scripted_env:ScriptedEnv", kwargs: {{turns: 3}}, max_turns: 4, max_episode_tokens: 60}}
 stages:
   - {{name: sft, type: sft, steps: 1, prompts_per_step: 4, domains: {{math: 1.0}}}}
-  - {{name: rl, type: grpo, steps: 2, prompts_per_step: 4, samples_per_prompt: 4, domains: {{math: 1.0}}}}
+  - {{name: rl, type: grpo, steps: 1, prompts_per_step: 4, samples_per_prompt: 4, domains: {{math: 1.0}}}}
   - {{name: distill, type: mopd, steps: 1, prompts_per_step: 4, samples_per_prompt: 2, domains: {{math: 1.0}},
       teachers: {{math: sft}}}}
 """
@@ -68,7 +68,7 @@ def ranks(tmp_path_factory):
 def test_grpo_trains_on_multi_turn_episodes_at_dp2(ranks):
     assert [r["code"] for r in ranks] == [0, 0]
     steps = ranks[0]["metrics"]["rl"]
-    assert len(steps) == 2
+    assert len(steps) == 1
     for m in steps:
         assert m["episode/turns_mean"] > 2.0  # three turns unless a turn hit its budget
         assert m["episode/steps_mean"] >= 2.0 and m["episode/timeouts"] == 0 and m["episode/env_errors"] == 0
