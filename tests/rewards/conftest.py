@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 
 import psutil
@@ -39,11 +42,23 @@ def marker() -> str:
     return f"mcmarker{uuid.uuid4().hex}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_sandbox_root():
+    """This session's sandboxes make their folders (mc-sandbox-*) in a private temporary folder, so
+    that the leftover check sees (and kills) only this session's, never another run's on the machine."""
+    before, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="mc-reward-tests-")
+    tempfile.tempdir = folder
+    yield folder
+    tempfile.tempdir = before
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
-def no_leftovers():
-    """After the test: no process of any sandbox run (work dirs are mc-sandbox-*) is alive."""
+def no_leftovers(private_sandbox_root):
+    """After the test: no process of this session's sandbox runs (their command lines name their
+    mc-sandbox-* folder) is alive."""
     yield
-    leftovers = processes_with("mc-sandbox-")
+    leftovers = processes_with(os.path.join(private_sandbox_root, "mc-sandbox-"))
     for p in leftovers:  # clean up before failing, so one failure does not cascade
         try:
             p.kill()
