@@ -18,8 +18,9 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
 Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
 layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
 attention-only, MLP-only and MoE-only layers. They generate through the static context
-(``rollout/static.py``): batches of as many samples as ``rollout.kv_cache_*`` holds, each row with
-its K/V (attention layers only) and Mamba states, and one prefill per batch.
+(``rollout/static.py``): batches of as many samples as ``rollout.kv_cache_*`` holds (and a prefill
+of 16K prompt tokens allows), each row with its K/V (attention layers only) and Mamba states, and one
+prefill per batch.
 """
 
 from __future__ import annotations
@@ -463,19 +464,22 @@ def _static_generation_plan(m: ModelConfig, layout: Layout, stage: ResolvedStage
                             budget: float) -> GenerationPlan:
     """The static generator of hybrid models (``rollout/static.py``): left-padded batches of as many
     samples as the budget holds (``rollout.kv_cache_bytes``, or ``kv_cache_fraction`` of the memory
-    the static state leaves), each row keeping prompt + max_new_tokens positions of K/V in the
-    attention layers and one conv + SSM state per Mamba layer; a batch's prefill runs its prompts at once.
+    the static state leaves) and a prefill of ``MAX_PREFILL_TOKENS`` prompt tokens allows, each row
+    keeping prompt + max_new_tokens positions of K/V in the attention layers and one conv + SSM state
+    per Mamba layer; a batch's prefill runs its prompts at once.
 
     Raises ``ConfigError`` when the budget cannot hold one row (generation would refuse to start).
     """
+    from megatron_cascade.rollout.static import MAX_PREFILL_TOKENS
+
     length = min(prompt + stage.rollout.max_new_tokens, m.max_position_embeddings)
     per_row = length * kv_bytes_per_token(m, layout) + mamba_state_bytes_per_sample(m, layout)
-    rows = min(samples, int(budget // per_row))
-    if rows < 1:
+    if budget < per_row:
         key = "rollout.kv_cache_bytes" if stage.rollout.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
         raise ConfigError(f"stage {stage.name}: the generation cache budget ({budget / GIB:.1f} GiB from {key}) "
                           f"cannot hold one row of {length} tokens ({per_row / GIB:.2f} GiB of attention K/V and "
                           "Mamba state per GPU): raise it, or lower rollout.max_new_tokens / data.max_prompt_tokens")
+    rows = min(samples, int(budget // per_row), max(1, MAX_PREFILL_TOKENS // prompt))
     e, t = _DTYPE_BYTES[m.precision], layout.tp
     _, d_inner, _, width = _mamba_sizes(m)
     mamba = e * prompt * rows * (2 * m.hidden_size + (width + d_inner) / t)  # in_proj out, scan out

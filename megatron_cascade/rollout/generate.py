@@ -13,7 +13,7 @@ from megatron_cascade.rollout.kv_budget import static_batch_rows
 from megatron_cascade.rollout.model_runner import is_hybrid, unwrap_model
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.stage_forward import sequence_parallel_off
-from megatron_cascade.rollout.static import generate_static
+from megatron_cascade.rollout.static import MAX_PREFILL_TOKENS, generate_static
 from megatron_cascade.cpu_runtime import device_rewrite_paused
 from megatron_cascade.tokenizers.base import Tokenizer
 
@@ -52,6 +52,7 @@ def generate(
         use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``); for a
             hybrid (Mamba) model, static batches over Megatron's static context, which also caches
             the Mamba states (``static.py``): as many rows per batch as ``kv_cache``'s budget holds
+            and a prefill of at most ``MAX_PREFILL_TOKENS`` prompt tokens allows
             (``overlap_pipeline_stages`` does not apply). False: the static batch recomputing the
             whole prefix every token (the reference).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
@@ -102,12 +103,14 @@ def generate(
 
 def _static_rows(gpt: torch.nn.Module, samples: list[RolloutSample], budgets: list[int],
                  kv_cache: KVCacheConfig) -> Optional[int]:
-    """Rows per static batch that ``kv_cache``'s budget holds (a row at its longest: the longest
-    prompt + the largest response budget); None without samples."""
+    """Rows per static batch: what ``kv_cache``'s budget holds (a row at its longest: the longest
+    prompt + the largest response budget), at most ``MAX_PREFILL_TOKENS`` prompt tokens per prefill
+    (at least one row); None without samples."""
     if not samples:
         return None
-    row_tokens = max(len(s.prompt_ids) for s in samples) + max(budgets)
-    return static_batch_rows(gpt, kv_cache, next(gpt.parameters()).device, row_tokens)
+    width = max(len(s.prompt_ids) for s in samples)
+    rows = static_batch_rows(gpt, kv_cache, next(gpt.parameters()).device, width + max(budgets))
+    return min(rows, max(1, MAX_PREFILL_TOKENS // width))
 
 
 def _budgets(samples: list[RolloutSample], max_new_tokens: int, limit: int) -> list[int]:

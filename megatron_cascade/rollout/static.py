@@ -33,6 +33,9 @@ from megatron_cascade.rollout.stopping import StopCriteria
 from megatron_cascade.tokenizers.base import Tokenizer
 
 OnFinished = Callable[[int, RolloutSample], None]
+# The prefill runs a batch's prompts in one forward: its rows x prompt width is capped like a step of
+# the paged engine (Megatron's default step limit), which bounds the layer intermediates of that forward.
+MAX_PREFILL_TOKENS = 16384
 
 
 def generate_static(model: torch.nn.Module, samples: list[RolloutSample], params: SamplingParams, *,

@@ -118,9 +118,9 @@ def test_plan_of_the_static_generator_follows_the_budget(tmp_path):
     from megatron_cascade.config import load_config, resolve_stage
     from megatron_cascade.model import resolve_layout
 
-    def plan(kv_bytes):
+    def plan(kv_bytes, *extra):
         cfg = load_config(HYBRID_YAML, [f"output_dir={tmp_path}", f"rollout.kv_cache_bytes={kv_bytes}",
-                                        "rollout.max_new_tokens=40", "data.max_prompt_tokens=60"],
+                                        "rollout.max_new_tokens=40", "data.max_prompt_tokens=60", *extra],
                           check_paths=False)
         layout = resolve_layout(cfg.model, cfg.parallel, 1, check_this_machine=False)
         stage = resolve_stage(cfg, next(s for s in cfg.stages if s.type == "grpo"))
@@ -138,3 +138,6 @@ def test_plan_of_the_static_generator_follows_the_budget(tmp_path):
     assert (gen.concurrent, gen.kv_cache) == (5, 5 * per_row)
     with pytest.raises(ConfigError, match="cannot hold one row of 100 tokens"):
         plan(per_row - 1)
+    # Long prompts: a batch's prefill is capped at 16384 prompt tokens (2 rows of 8000), whatever the budget.
+    gen, _, _ = plan(2**40, "data.max_prompt_tokens=8000", "model.max_position_embeddings=8040")
+    assert gen.concurrent == 2
