@@ -13,7 +13,9 @@ Checks, each printed as PASS / FAIL / SKIP with its figures:
   fp8_step        the same with FP8 (hybrid, delayed scaling) — TE only, else SKIP;
   fused_logprob_head  a train step's forward+backward with the fused log-prob head vs the logits path:
                   the same loss at a lower peak memory;
-  generation      sampling with Megatron's static KV cache; new tokens/s.
+  generation      sampling with Megatron's static KV cache; new tokens/s;
+  nemotron_h_te   a tiny random Nemotron-H converted on CPU loads into the GPU hybrid model (TE Mamba
+                  spec when TE and mamba_ssm import): logits equal transformers'.
 
 Nothing is installed: megatron-core and torch come from the Python running this, megatron_cascade from
 this working tree. Without a CUDA device it exits at once with status 2.
@@ -319,6 +321,43 @@ def check_generation(policy, args: argparse.Namespace) -> Result:
                    "max_logprob_gap": gap, "peak_mem_gib": _peak_gib(), "kv_cache_gib": out.stats.kv_cache_bytes / 2**30})
 
 
+NEMOTRON_H_TINY = dict(vocab_size=512, hidden_size=256, hybrid_override_pattern="M*ME-", num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, intermediate_size=512, mamba_num_heads=8, mamba_head_dim=64,
+                       ssm_state_size=64, n_groups=2, conv_kernel=4, chunk_size=64, n_routed_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=256, moe_shared_expert_intermediate_size=512,
+                       routed_scaling_factor=2.5, max_position_embeddings=512, layer_norm_epsilon=1e-5)
+
+
+def check_nemotron_h_conversion(work_dir: str) -> Result:
+    """A tiny random nemotron_h converted by the CLI (a CPU process: local spec, TE names on disk) loads
+    into the GPU hybrid model (TE ``mamba_stack_spec`` when TE imports; needs mamba_ssm there): its
+    logits equal transformers' (fp32 on both sides; TF32 GEMMs allowed for)."""
+    import torch
+    import transformers
+
+    from megatron_cascade.config.model import ParallelConfig
+    from megatron_cascade.convert.compare import megatron_logits, sample_tokens
+
+    hf_dir, meg_dir = os.path.join(work_dir, "nemotron_h_hf"), os.path.join(work_dir, "nemotron_h_meg")
+    torch.manual_seed(0)
+    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**NEMOTRON_H_TINY)).eval()
+    hf.save_pretrained(hf_dir)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-m", "megatron_cascade.convert", "hf-to-megatron", "--hf", hf_dir,
+                          "--out", meg_dir], capture_output=True, text=True, timeout=300, env=env)
+    if res.returncode != 0:
+        return Result("nemotron_h_te", "FAIL", f"hf-to-megatron: {res.stderr[-500:]}")
+    tokens = sample_tokens(NEMOTRON_H_TINY["vocab_size"], 64)
+    with torch.no_grad():
+        ref = hf(tokens).logits.float()
+    ours = megatron_logits(meg_dir, tokens, ParallelConfig())  # run_checks' TP=1 parallel state
+    diff = (ours - ref).abs().max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    ok = diff <= 2e-2 and agree == 1.0
+    return Result("nemotron_h_te", "PASS" if ok else "FAIL", "CPU-converted nemotron_h in the GPU hybrid model",
+                  {"max_abs_logit_diff": diff, "top1_agreement": agree, "te": te_version() or "none"})
+
+
 def run_checks(args: argparse.Namespace) -> list[Result]:
     import torch
 
@@ -346,6 +385,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             results.append(guard("fp8_step", lambda: check_fp8_step(args)))
+            results.append(guard("nemotron_h_te", lambda: check_nemotron_h_conversion(ref_dir)))
         finally:
             shutdown_distributed()
     return results
