@@ -202,8 +202,6 @@ def flat_weights(policy):
 
 def timed_steps(policy, args: argparse.Namespace) -> dict:
     """Warm-up step, then ``args.steps`` timed steps; figures of the timed ones."""
-    import torch
-
     from megatron_cascade.config.training import LossConfig, TrainingConfig
     from megatron_cascade.training import LossSpec, train_step
 
