@@ -53,7 +53,7 @@ def generate(
             hybrid (Mamba) model, static batches over Megatron's static context, which also caches
             the Mamba states (``static.py``): as many rows per batch as ``kv_cache``'s budget holds
             and a prefill of at most ``MAX_PREFILL_TOKENS`` prompt tokens allows
-            (``overlap_pipeline_stages`` does not apply). False: the static batch recomputing the
+            (``overlap_pipeline_stages`` is refused). False: the static batch recomputing the
             whole prefix every token (the reference).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
             half the free memory); requests that do not fit wait, one that never can is refused.
@@ -76,6 +76,9 @@ def generate(
         ``RolloutBatch`` with ``len(prompts) * params.n`` samples, prompt-major.
     """
     gpt = _check_model(model)
+    if use_kv_cache and overlap_pipeline_stages and is_hybrid(model):
+        raise ValueError("overlap_pipeline_stages splits the paged engine's requests over KV lanes; a hybrid "
+                         "(Mamba) model generates through the static context, which has no lanes")
     limit = max_sequence_length or gpt.max_sequence_length
     samples = [RolloutSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt))
                for p, prompt in enumerate(prompts) for k in range(params.n)]
