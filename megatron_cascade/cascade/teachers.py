@@ -76,7 +76,7 @@ class TeacherPool:
 
 
 def teacher_logprobs(pool: TeacherPool, batch: TrainBatch, row_domains: list[str], spec: LossSpec,
-                     micro_batch_size: int) -> torch.Tensor:
+                     micro_batch_size: int, **packing) -> torch.Tensor:
     """[B, S] float32 log-probs of ``batch.target_ids``, each row under its domain's teacher.
 
     One forward pass per teacher, over the rows of its domain. When the teachers are MoE models
@@ -84,6 +84,7 @@ def teacher_logprobs(pool: TeacherPool, batch: TrainBatch, row_domains: list[str
     order, a rank without rows of a domain running dummy micro-batches (``forward_logprobs``):
     ranks hold different domains, and a pass skipped on one rank would pair the next teacher's
     all-to-all with another teacher's (wrong log-probs) or leave a rank waiting (a hang).
+    ``packing``: ``sequence_packing`` / ``max_tokens_per_row`` of ``forward_logprobs``.
     """
     if len(row_domains) != batch.size:
         raise ValueError(f"{len(row_domains)} row domains for a batch of {batch.size} rows")
@@ -96,5 +97,5 @@ def teacher_logprobs(pool: TeacherPool, batch: TrainBatch, row_domains: list[str
         rows = torch.tensor([i for i, d in enumerate(row_domains) if d == domain], dtype=torch.long)
         if len(rows) == 0 and not lockstep:
             continue  # no other rank waits on this pass: skip the weight swap too
-        out[rows] = forward_logprobs([pool.module_for(domain)], batch.select(rows), spec, micro_batch_size)
+        out[rows] = forward_logprobs([pool.module_for(domain)], batch.select(rows), spec, micro_batch_size, **packing)
     return out

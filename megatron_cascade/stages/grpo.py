@@ -11,6 +11,7 @@ from megatron_cascade.cascade.groups import GroupRound
 from megatron_cascade.stages.rollout import RolloutStage
 from megatron_cascade.training import TrainBatch, forward_logprobs
 from megatron_cascade.training.policy import build_frozen_model
+from megatron_cascade.training.step import logprob_pass_options
 
 
 class GRPOStage(RolloutStage):
@@ -44,6 +45,7 @@ class GRPOStage(RolloutStage):
                               truncated=r.spec.truncated)
         if self.reference is not None:
             t0 = time.perf_counter()
-            batch.ref_logprobs = forward_logprobs([self.reference], batch, r.spec, r.stage.training.micro_batch_size)
+            batch.ref_logprobs = forward_logprobs([self.reference], batch, r.spec,
+                                                  **logprob_pass_options(r.stage.training))
             timing["time/reference_s"] = time.perf_counter() - t0
         return batch

@@ -14,6 +14,7 @@ from megatron_cascade.cascade.groups import GroupRound
 from megatron_cascade.cascade.teachers import TeacherPool, teacher_logprobs
 from megatron_cascade.stages.rollout import RolloutStage
 from megatron_cascade.training import TrainBatch
+from megatron_cascade.training.step import logprob_pass_options
 
 
 class MOPDStage(RolloutStage):
@@ -30,7 +31,7 @@ class MOPDStage(RolloutStage):
         # A teacher is a reference distribution, not the sampler: its log-probs are not truncated.
         spec = dataclasses.replace(r.spec, top_k=0, top_p=1.0)
         batch.teacher_logprobs = teacher_logprobs(self.teachers, batch, chosen.sample_domains, spec,
-                                                  r.stage.training.micro_batch_size)
+                                                  **logprob_pass_options(r.stage.training))
         timing["time/teacher_s"] = time.perf_counter() - t0
         sums.update(_reverse_kl_sums(batch, chosen.sample_domains, list(r.stage.domains)))
         return batch

@@ -303,9 +303,7 @@ def optimize_on_batch(policy: Policy, batch: TrainBatch, spec: LossSpec, trainin
     ``old_logprobs`` (the PPO ratio's denominator). Returns the last step's metrics.
     """
     if training.ppo_epochs > 1 and batch.old_logprobs is None:
-        batch.old_logprobs = forward_logprobs(policy.chunks, batch, spec, training.micro_batch_size,
-                                              sequence_packing=training.sequence_packing,
-                                              max_tokens_per_row=training.max_tokens_per_row)
+        batch.old_logprobs = forward_logprobs(policy.chunks, batch, spec, **logprob_pass_options(training))
     metrics: dict = {}
     for _ in range(training.ppo_epochs):
         metrics = train_step(policy, batch, spec, training)
@@ -393,6 +391,13 @@ def _packed_forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, mi
 
 
 @torch.no_grad()
+def logprob_pass_options(training: TrainingConfig) -> dict:
+    """The ``forward_logprobs`` keyword arguments a stage's ``training`` section sets (micro-batch size,
+    packing): the old-policy, KL-reference and teacher passes run batches as the training step does."""
+    return {"micro_batch_size": training.micro_batch_size, "sequence_packing": training.sequence_packing,
+            "max_tokens_per_row": training.max_tokens_per_row}
+
+
 def forward_logprobs(chunks: list, batch: TrainBatch, spec: LossSpec, micro_batch_size: int, *,
                      sequence_packing: bool = False, max_tokens_per_row: Optional[int] = None) -> torch.Tensor:
     """[B, S] log-probs of ``batch.target_ids`` under the model in ``chunks`` (forward only).

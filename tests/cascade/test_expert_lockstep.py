@@ -120,3 +120,28 @@ def test_evaluation_with_a_rank_without_prompts(tmp_path):
     ref = run_distributed(_eval_worker, 1, ParallelConfig(), str(tmp_path), True)[0]
     results = run_distributed(_eval_worker, 2, EP2_DP2, str(tmp_path), False, timeout_s=240)
     assert results[0] == results[1] == ref
+
+
+def _packed_teacher_worker(tmp: str):
+    """The teacher pass as a MOPD stage with ``training.sequence_packing`` runs it: packed rows (seen
+    by a counter on the packed path), the padded pass's log-probs on every loss token."""
+    from megatron_cascade.cascade.teachers import TeacherPool, teacher_logprobs
+    from megatron_cascade.config.training import TrainingConfig
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training import LossSpec, step
+
+    initialize_model_parallel(ParallelConfig(), seed=3)
+    pool = TeacherPool({d: f"{tmp}/{d}" for d in ("alpha", "beta")}, MOE, ParallelConfig(), "fingerprint")
+    spec = LossSpec("mopd", LossConfig(), temperature=1.0, vocab_size=VOCAB)
+    calls, packed_pass = [], step._packed_forward_logprobs
+    step._packed_forward_logprobs = lambda *a, **k: calls.append(1) or packed_pass(*a, **k)
+    options = step.logprob_pass_options(TrainingConfig(micro_batch_size=2, sequence_packing=True))
+    return teacher_logprobs(pool, _batch(), DOMAINS, spec, **options), len(calls)
+
+
+def test_teacher_pass_packs_with_sequence_packing(teachers):
+    tmp, ref = teachers
+    packed, packed_passes = run_distributed(_packed_teacher_worker, 1, tmp, timeout_s=240)[0]
+    assert packed_passes == 2  # one per teacher
+    mask = _batch().loss_mask.bool()
+    torch.testing.assert_close(packed[mask], ref[mask], atol=1e-5, rtol=1e-5)
