@@ -141,11 +141,6 @@ def aux_loss_row_weights(spec: LossSpec, micro: TrainBatch, normalizer: torch.Te
     return (counts.to(torch.float64) / normalizer.to(counts.device).clamp(min=1)).to(torch.float32)
 
 
-def position_ids(input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] positions 0..S-1 (sequences are left-aligned, right-padded)."""
-    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-
-
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
