@@ -162,12 +162,26 @@ def write_report_png(output_dir: str) -> str:
     if rewards.lines:
         rewards.legend()
     if curves_by_stage:
-        _plot_eval_curves(axes[2], output_dir, curves_by_stage)
+        _plot_eval_curves(axes[2], output_dir, comparison(output_dir, curves_by_stage))
     fig.tight_layout()
     path = os.path.join(output_dir, "report.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def comparison(output_dir: str, curves_by_stage: dict) -> dict:
+    """The curves to plot: each stage with teachers (MOPD) and every stage that started from the same
+    weights and evaluated the same domains (GRPO from the same start); all of them if none has teachers."""
+    results = stage_results(output_dir)
+    taught = [r for r in results if r.teachers and r.name in curves_by_stage]
+    if not taught:
+        return curves_by_stage
+    keep = set()
+    for t in taught:
+        keep |= {r.name for r in results if r.name in curves_by_stage and r.start == t.start
+                 and set(curves_by_stage[r.name]) == set(curves_by_stage[t.name])}
+    return {name: curves for name, curves in curves_by_stage.items() if name in keep}
 
 
 def _plot_eval_curves(ax, output_dir: str, curves_by_stage: dict) -> None:

@@ -120,3 +120,14 @@ def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path)
     a = next(line for line in lines if line.startswith("a "))
     # SFT 0.30, after a_rl 0.80, cascade end (grpo_ref, the last stage) 0.60, mixed 0.55
     assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.60", "0.55"]
+
+
+def test_the_curve_panel_compares_mopd_with_grpo_from_the_same_start(run_dir):
+    from megatron_cascade.cascade.report import comparison
+
+    os.makedirs(os.path.join(run_dir, "stages", "a_rl"))
+    with open(os.path.join(run_dir, "stages", "a_rl", "metrics.jsonl"), "w") as f:  # a curve of another stage
+        f.write(json.dumps({"step": 5, "eval/a": 0.5}) + "\n")
+    curves = eval_curves(run_dir)
+    assert set(curves) == {"mopd", "grpo_ref", "a_rl"}
+    assert set(comparison(run_dir, curves)) == {"mopd", "grpo_ref"}
