@@ -169,8 +169,9 @@ def check_runnable(cfg: RunConfig, layout: Layout) -> None:
     the libraries under it refuse at run time; called by the dry run before it plans anything."""
     m = cfg.model
     if layout.cp > 1:
-        raise ConfigError(f"parallel.context_parallel_size={layout.cp}: the training step does not split "
-                          "sequences over context-parallel ranks yet (training/step.py); set it to 1")
+        raise ConfigError(f"parallel.context_parallel_size={layout.cp}: generation (rollout/generate.py) decodes "
+                          "with the training layout and refuses CP > 1 (the training step and log-prob passes "
+                          "split sequences over CP ranks); set it to 1")
     if m.moe.num_experts and m.moe.token_dispatcher_type == "flex":
         raise ConfigError("model.moe.token_dispatcher_type=flex needs DeepEP/HybridEP, which megatron-cascade "
                           "neither installs nor tests; use alltoall")

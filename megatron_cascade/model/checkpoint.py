@@ -33,7 +33,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 # Fields that change numerics or runtime, not the shape or meaning of the weights.
 _NON_ARCHITECTURE_FIELDS = {
     "precision", "attention_dropout", "hidden_dropout", "init_method_std", "fp8",
-    "max_position_embeddings",
+    "max_position_embeddings", "recompute", "recompute_num_layers",
 }
 _NON_ARCHITECTURE_MOE_FIELDS = {
     "token_dispatcher_type", "grouped_gemm", "aux_loss_coeff", "router_load_balancing_type", "router_bias_update_rate",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig, validate_hybrid_layout
 
 
 def transformer_engine_available() -> bool:
@@ -62,6 +62,7 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
     _check_divides("parallel.tensor_model_parallel_size", tp, "padded vocab size", model.padded_vocab_size,
                    hint="raise model.make_vocab_size_divisible_by to a multiple of the TP size")
     _check_divides("parallel.pipeline_model_parallel_size", pp, "model.num_layers", model.num_layers)
+    validate_hybrid_layout(model, tp, cp)
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
         raise ConfigError(
