@@ -68,17 +68,29 @@ print("RESULTS" + json.dumps([vars(r) for r in gpu_check.run_checks(args)]))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU drive of the checks")
 def test_checks_run_on_cpu_with_a_tiny_model():
     """The same functions the GPU run calls (CPU-written checkpoint, bf16 steps after the load,
-    generation) pass on CPU; FP8 needs Transformer Engine and says so."""
+    fused log-prob head, packed rows, generation, a converted Nemotron-H) pass on CPU; FP8 needs
+    Transformer Engine and says so."""
     code = _DRIVER.format(bench=str(BENCH), argv=TINY)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULTS")), None)
     assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
-    for name in ("cpu_checkpoint", "bf16_step", "generation"):
+    for name in ("cpu_checkpoint", "bf16_step", "fused_logprob_head", "packed_step", "generation", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     assert results["fp8_step"]["status"] == "SKIP"
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
     assert results["bf16_step"]["figures"]["tokens_per_s"] > 0
     # Decode-time log-probs (paged KV cache) equal a teacher-forced recompute, to bf16 rounding.
     assert results["generation"]["figures"]["max_logprob_gap"] < 0.1, results["generation"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU drive of the hybrid checks")
+def test_hybrid_checks_run_on_cpu():
+    """gpu_check_hybrid.py's checks (CPU-written hybrid weights reloaded; cached SSM state vs full
+    recompute in generation) pass on CPU with the local spec."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_check_hybrid.py"), "--allow-cpu"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "name=hybrid_checkpoint status=PASS" in res.stdout and "name=hybrid_generation status=PASS" in res.stdout
