@@ -250,9 +250,6 @@ class ModelConfig:
                 f"{prefix}moe.num_experts={self.moe.num_experts}: add E layers or set num_experts to null"))
         require(self.moe.layer_freq == 1, f"{prefix}moe.layer_freq={self.moe.layer_freq} has no meaning with "
                 f"{prefix}architecture=hybrid: the layer pattern places the MoE layers (E)")
-        # Megatron-Core's MambaStack has no whole-layer recompute (only the attention core's, selective).
-        require(self.recompute != "full", f"{prefix}recompute=full is not supported with {prefix}architecture="
-                "hybrid (Megatron-Core's MambaStack does not recompute layers): use none or selective")
         require(self.fp8.format is None or "M" not in pattern or self._mamba_in_proj_width() % 16 == 0,
                 f"{prefix}fp8.format needs the Mamba in_proj width 2*heads*head_dim + 2*groups*state_dim + heads "
                 f"= {self._mamba_in_proj_width()} to be a multiple of 16 ({prefix}hybrid.*)")

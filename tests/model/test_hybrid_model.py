@@ -40,7 +40,10 @@ def _hybrid(**fields):
     (_hybrid(layer_pattern="M*M-"), "has no MoE layer (E) but model.moe.num_experts=4"),
     (replace(HYBRID, moe=MoEConfig()), "has MoE layers (E) but model.moe.num_experts is null"),
     (_hybrid(mamba_num_groups=3), "model.hybrid.mamba_num_groups=3 does not divide the Mamba heads (8"),
-    (replace(HYBRID, recompute="full"), "model.recompute=full is not supported with model.architecture=hybrid"),
+    # Full recompute runs for hybrid models (test_hybrid_recompute.py), but not with a load-balancing loss.
+    (replace(HYBRID, recompute="full", moe=replace(HYBRID.moe, router_load_balancing_type="aux_loss",
+                                                   aux_loss_coeff=0.01)),
+     "model.recompute=full cannot be combined with an MoE load-balancing loss"),
     (replace(HYBRID, moe=replace(HYBRID.moe, layer_freq=2)), "model.moe.layer_freq=2 has no meaning"),
     (replace(HYBRID, architecture="gpt"), "model.hybrid.layer_pattern is set but model.architecture='gpt'"),
 ])
