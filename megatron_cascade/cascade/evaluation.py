@@ -13,7 +13,9 @@ import torch.distributed as dist
 from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.scoring import RolloutScorer
 from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
-from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+from megatron_cascade.environments.runner import run_episodes
+from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +86,13 @@ def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example
     at the run's ``rollout.stop_strings`` and use a KV cache of the run's ``rollout.kv_cache_*``;
     each is scored as soon as it finishes (a reward worker pool, while the rest decode). Every rank
     calls ``generate`` for every domain, also with no prompts of its own (expert-parallel lockstep).
+    Multi-turn domains run whole episodes in their environment, scored as in training.
     """
     dp_rank, dp_size, dp_group = data_parallel()
     max_new_tokens = eval_cfg.max_new_tokens if eval_cfg.max_new_tokens is not None else rollout_cfg.max_new_tokens
     stop_strings = tuple(rollout_cfg.stop_strings)
+    # Episodes in each domain's environment, as in training (single_turn: one generate call).
+    settings = domain_episode_settings(domains, sorted(eval_sets), tokenizer, max_new_tokens)
     scores = {}
     for domain in sorted(eval_sets):
         examples = eval_sets[domain][: eval_cfg.max_prompts]
@@ -97,9 +102,12 @@ def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example
         # Every rank generates, a rank without prompts too: with experts spread over data-parallel
         # ranks it runs dummy forwards for its EP group's all-to-alls (elsewhere it returns at once).
         with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine)) as scorer:
-            rollouts = generate(module, [list(e.prompt_ids) for e in mine], params, tokenizer=tokenizer,
-                                kv_cache=KVCacheConfig.from_rollout(rollout_cfg), on_finished=scorer.on_finished)
+            rollouts = run_episodes(module, [list(e.prompt_ids) for e in mine], [e.row for e in mine],
+                                    [settings[domain]] * len(mine), params, tokenizer=tokenizer,
+                                    kv_cache=KVCacheConfig.from_rollout(rollout_cfg),
+                                    on_episode_done=scorer.on_finished)
             values, errored, _ = scorer.collect_flags(rollouts.samples)
+        values, errored = episode_scores(rollouts.samples, values, errored)
         scored = ~errored
         per_prompt = _prompt_sums(values, scored, [s.prompt_index for s in rollouts.samples], len(mine))
         total = torch.tensor([float(values[scored].sum()), float(scored.sum()), float(len(values)), *per_prompt],

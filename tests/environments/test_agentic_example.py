@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 AGENTIC = os.path.join(REPO, "examples", "tiny_cascade", "agentic.yaml")
 SHORT = ["stages.sft.steps=60", "stages.tool_rl.steps=2", "stages.tool_rl.prompts_per_step=4",
          "stages.tool_rl.samples_per_prompt=2", "stages.tool_mopd.steps=1", "stages.tool_mopd.prompts_per_step=4",
-         "logging.progress_bar=false", "logging.tensorboard=false"]
+         "eval.max_prompts=4", "eval.samples=1", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
 def test_agentic_example_runs_multi_turn_tool_episodes(tmp_path):

@@ -1,7 +1,8 @@
 """Multi-turn episodes in real stages at DP=2 (two gloo ranks, the whole cascade runner): a GRPO stage
 and an MOPD stage (teacher: the SFT stage before them; teacher log-probs over whole episodes,
 observations masked) on the scripted environment, which takes three turns whatever the tiny model samples. Both
-stages train, and log the episode metrics, the same on both ranks (all-reduced)."""
+stages train, and log the episode metrics, the same on both ranks (all-reduced). Held-out evaluation
+runs episodes too (before: one response per prompt, scored without the environment's turn rewards)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ output_dir: {out}
 model: {{num_layers: 2, hidden_size: 32, ffn_hidden_size: 64}}
 training: {{micro_batch_size: 16}}
 rollout: {{max_new_tokens: 6}}
-eval: {{enabled: false}}
+eval: {{max_prompts: 4, samples: 1}}
 checkpoint: {{every_steps: 0}}
 logging: {{progress_bar: false, tensorboard: false}}
 domains:
@@ -50,11 +51,13 @@ def _cascade_worker(tmp: str) -> dict:
             f.write(CONFIG.format(tiny=TINY, out=os.path.join(tmp, "run")))
     dist.barrier()
     code = run_cascade(load_config(path))
+    with open(os.path.join(tmp, "run", "manifest.json")) as f:
+        manifest = json.load(f)
     metrics = {}
     for stage in ("rl", "distill"):
         with open(os.path.join(tmp, "run", "stages", stage, "metrics.jsonl")) as f:
             metrics[stage] = [json.loads(line) for line in f]
-    return {"code": code, "metrics": metrics}
+    return {"code": code, "metrics": metrics, "eval": {s: manifest["stages"][s]["eval"] for s in manifest["stages"]}}
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,11 @@ def test_mopd_distills_over_multi_turn_episodes_at_dp2(ranks):
     (m,) = ranks[0]["metrics"]["distill"]
     assert m["episode/turns_mean"] > 2.0
     assert m["reverse_kl/domain/math"] != 0.0 and m["grad_norm"] > 0
+
+
+def test_evaluation_runs_episodes(ranks):
+    """Every eval episode takes three steps at 0.25 each, plus the transcript's parity (0 or 1): an
+    episode's score is 0.75 or 1.75. A single response scored alone would be 0 or 1."""
+    for scores in ranks[0]["eval"].values():
+        assert scores["math"] >= 0.75
+    assert ranks[0]["eval"] == ranks[1]["eval"]
