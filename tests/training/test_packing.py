@@ -26,20 +26,9 @@ SPANS = [(3, 1), (3, 20), (5, 3), (2, 12), (8, 7), (10, 2), (6, 16), (1, 5)]
 
 
 def make_batch(seed: int = 3):
-    from megatron_cascade.training import TrainBatch
+    from megatron_cascade.testing.batches import random_rl_batch
 
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    mask = torch.zeros(BATCH, SEQ)
-    for row, (start, length) in enumerate(SPANS):
-        mask[row, start:start + length] = 1
-    return TrainBatch(
-        input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask,
-        advantages=torch.randn(BATCH, generator=gen),
-        inference_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-        teacher_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-        ref_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-    )
+    return random_rl_batch(SPANS, SEQ, VOCAB, seed)
 
 
 def _grads(policy) -> list[torch.Tensor]:

@@ -36,20 +36,9 @@ BATCH, SEQ, VOCAB = 8, 23, 100
 
 
 def _global_batch():
-    from megatron_cascade.training import TrainBatch
+    from megatron_cascade.testing.batches import UNEVEN_SPANS, random_rl_batch
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    mask = torch.zeros(BATCH, SEQ)
-    for row, length in enumerate([1, 20, 3, 12, 7, 2, 16, 5]):
-        mask[row, 3:3 + length] = 1
-    return TrainBatch(
-        input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask,
-        advantages=torch.randn(BATCH, generator=gen),
-        inference_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-        teacher_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-        ref_logprobs=-torch.rand(BATCH, SEQ, generator=gen) * 6,
-    )
+    return random_rl_batch(UNEVEN_SPANS, SEQ, VOCAB)
 
 
 def _expert_biases(module) -> dict:
