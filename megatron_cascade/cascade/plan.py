@@ -11,13 +11,17 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
   of up to 16K tokens and the sampled rows' logits); a budget that cannot hold one sample is refused;
 * training: activations of the micro-batches in flight (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", generalised to GQA, SwiGLU and MoE top-k;
-  with ``model.recompute`` none/selective/full) and the logits with their gradient (model dtype:
-  the fp32 work of ``ops/logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled);
+  with ``model.recompute`` none/selective/full) and the output head: where the stage samples from a
+  top-k / top-p truncated distribution the [tokens, V/t] logits with their gradient (model dtype: the
+  fp32 work of ``ops/truncated_logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled),
+  else the fused log-prob head's working set (``training/output_head.py``: per-chunk logit buffers,
+  the gathered hidden states and their gradient; no [tokens, vocab] tensor);
 * peak = static + max(generation, training); host memory holds the offloaded MOPD teachers.
 
 Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
 layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
-attention-only, MLP-only and MoE-only layers. They generate through the static context
+attention-only, MLP-only and MoE-only layers; under ``recompute: full`` (``model/hybrid_model.py``)
+each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate through the static context
 (``rollout/static.py``): batches of as many samples as ``rollout.kv_cache_*`` holds (and a prefill
 of 16K prompt tokens allows), each row with its K/V (attention layers only) and Mamba states, and one
 prefill per batch.
@@ -32,6 +36,7 @@ from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
 from megatron_cascade.config.model import FP8Config, ModelConfig
 from megatron_cascade.config.schema import ResolvedStage
 from megatron_cascade.model import Layout, resolve_layout
+from megatron_cascade.ops.logprobs import _CHUNK_ELEMENTS as _HEAD_CHUNK_ELEMENTS
 from megatron_cascade.stages.registry import stage_type
 
 GIB = 2**30
@@ -352,16 +357,13 @@ def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_f
 
     none: every layer's saved tensors; selective: the attention core is recomputed (no [s x s]
     scores); full: only each ``recompute_num_layers`` chunk's input is kept, plus one chunk
-    recomputed during its backward.
+    recomputed during its backward (hybrid: the chunk of the stage whose layers keep the most).
     """
     m = cfg.model
     sp, fused = cfg.parallel.sequence_parallel, cfg.cluster.transformer_engine
     layers = m.num_layers // layout.pp
-    if m.architecture == "hybrid":  # recompute=full is refused for hybrid models (config/model.py)
-        return in_flight * sum(
-            hybrid_layer_activation_bytes(m, layout, shape, symbol, sequence_parallel=sp, fused_attention=fused,
-                                          keep_scores=m.recompute == "none")
-            for symbol in _symbols_on_stage(m, layout))
+    if m.architecture == "hybrid":
+        return _hybrid_activation_bytes(m, layout, shape, in_flight, sequence_parallel=sp, fused_attention=fused)
 
     def layer(index: int, keep_scores: bool) -> float:
         return layer_activation_bytes(m, layout, shape, sequence_parallel=sp, fused_attention=fused,
@@ -369,15 +371,61 @@ def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_f
 
     if m.recompute == "full":
         chunk = min(m.recompute_num_layers, layers)
-        chunk_input = _DTYPE_BYTES[m.precision] * shape.seq / layout.cp * shape.batch * m.hidden_size
-        chunk_input /= layout.tp if sp else 1
-        return in_flight * math.ceil(layers / chunk) * chunk_input + sum(layer(i, True) for i in range(chunk))
+        inputs = in_flight * math.ceil(layers / chunk) * _chunk_input_bytes(m, layout, shape, sp)
+        return inputs + sum(layer(i, True) for i in range(chunk))
     return in_flight * sum(layer(i, m.recompute == "none") for i in range(layers))
+
+
+def _chunk_input_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool) -> float:
+    """The hidden states a full-recompute chunk keeps for its backward: its input [s/cp (/t under SP), b, h]."""
+    chunk_input = _DTYPE_BYTES[m.precision] * shape.seq / layout.cp * shape.batch * m.hidden_size
+    return chunk_input / (layout.tp if sequence_parallel else 1)
+
+
+def _hybrid_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, in_flight: int, *,
+                             sequence_parallel: bool, fused_attention: bool) -> float:
+    """Activations of the most loaded stage of a hybrid model, layer by layer from its pattern."""
+    symbols = _symbols_on_stage(m, layout)
+
+    def kept(chunk: str, keep_scores: bool) -> float:
+        return sum(hybrid_layer_activation_bytes(m, layout, shape, symbol, sequence_parallel=sequence_parallel,
+                                                 fused_attention=fused_attention, keep_scores=keep_scores)
+                   for symbol in chunk)
+
+    if m.recompute != "full":
+        return in_flight * kept(symbols, keep_scores=m.recompute == "none")
+    size = min(m.recompute_num_layers, len(symbols))
+    chunks = [symbols[i:i + size] for i in range(0, len(symbols), size)]
+    inputs = in_flight * len(chunks) * _chunk_input_bytes(m, layout, shape, sequence_parallel)
+    return inputs + max(kept(chunk, keep_scores=True) for chunk in chunks)
 
 
 def logits_bytes(m: ModelConfig, layout: Layout, tokens: float) -> float:
     """Output-layer logits [tokens, V/t] kept for the log-prob backward, and their gradient."""
     return 2 * _DTYPE_BYTES[m.precision] * tokens * m.padded_vocab_size / layout.tp
+
+
+def fused_head_bytes(m: ModelConfig, layout: Layout, tokens: float) -> float:
+    """The fused log-prob head's working set (``ops/fused_output_logprobs.py``) for ``tokens`` positions.
+
+    Its op keeps the hidden states it reads (all-gathered over the sequence under SP: [tokens, h]) and
+    produces their gradient; each chunk of about 2^24 / (V/t) tokens fills [chunk, V/t] buffers: the
+    logits in the model dtype, their float32 copy (16-bit models) and, in forward, the float32 softmax;
+    the backward adds a weight-sized buffer for each chunk's 16-bit weight gradient.
+    """
+    e = _DTYPE_BYTES[m.precision]
+    upcast = 4 if e != 4 else 0
+    forward = _HEAD_CHUNK_ELEMENTS * (e + upcast + 4)
+    backward = _HEAD_CHUNK_ELEMENTS * (e + upcast) + (e * m.padded_vocab_size / layout.tp * m.hidden_size if upcast else 0)
+    return 2 * e * tokens * m.hidden_size + max(forward, backward)
+
+
+def samples_truncated(stage: ResolvedStage) -> bool:
+    """Whether ``stage`` trains on log-probs of a top-k / top-p truncated distribution (its rollouts
+    sample with temperature > 0 and ``rollout.top_k`` > 0 or ``top_p`` < 1, ``stages/sampling_spec.py``):
+    those need the whole logit row, so the fused head cannot run (``training/output_head.py``)."""
+    r = stage.rollout
+    return stage_type(stage.type).generates and r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)
 
 
 def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attention: bool) -> float:
@@ -499,7 +547,7 @@ class StageMemory:
     kv_cache: float
     generation: float  # KV cache + one generation step (layer intermediates, sampled rows' logits)
     activations: float
-    logits: float
+    logits: float  # the output head: truncated sampling's logits and their gradient, else the fused head
     host_teachers: float  # offloaded MOPD teachers, per node
     concurrent_samples: int = 0  # samples the KV cache runs at once (generation)
     local_samples: int = 0  # samples this GPU generates per step
@@ -526,7 +574,8 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     in_flight = min(layout.pp, max(1, math.ceil(samples / micro)))
     train_shape = Shape(seq, micro)
     activations = training_activation_bytes(cfg, layout, train_shape, in_flight)
-    logits = logits_bytes(m, layout, seq / layout.cp * micro)
+    head = logits_bytes if samples_truncated(stage) else fused_head_bytes
+    logits = head(m, layout, seq / layout.cp * micro)
     frozen_weights = e * (dense + expert)
     with_reference = kind.kl_reference and stage.loss.kl_coef > 0
     frozen = frozen_weights if (with_reference or kind.teachers) else 0.0
@@ -553,7 +602,11 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
-            f"{mem.activations:.1f} recompute={cfg.model.recompute}, logits {mem.logits:.1f}]){host}")
+            f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]){host}")
+
+
+def _head_name(stage: ResolvedStage) -> str:
+    return "logits (top-k/top-p)" if samples_truncated(stage) else "fused head"
 
 
 def describe_plan(cfg: RunConfig) -> str:

@@ -156,3 +156,62 @@ def test_kv_budget_caps_the_cache_and_the_samples_running_at_once(tmp_path):
                        "rollout.kv_block_size_tokens=16")
     gen = generation_plan(cfg, layout, resolve_stage(cfg, cfg.stages[0]), free_bytes=80 * 2**30)
     assert (gen.samples, gen.concurrent) == (2, 2)
+
+
+HYBRID_MOE = ["model.architecture=hybrid", "model.hybrid.layer_pattern=M*ME", "model.hybrid.mamba_head_dim=16",
+              "model.hybrid.mamba_num_groups=2", "model.hybrid.mamba_state_dim=16", "model.position_embedding_type=none",
+              "model.activation=squared_relu", *MOE]
+
+
+def test_hybrid_full_recompute_keeps_chunk_inputs_plus_the_largest_chunk(tmp_path):
+    """model/hybrid_model.py recomputes uniform chunks of recompute_num_layers: each chunk's input is kept,
+    and one chunk's layers hold their activations while it runs again (here "M*" or "ME": the larger)."""
+    from megatron_cascade.cascade.plan import hybrid_layer_activation_bytes
+
+    cfg = small_config(tmp_path, *HYBRID_MOE, "model.recompute=full", "model.recompute_num_layers=2", sft=True)
+    layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
+    s, b, h = 128, 2, 64
+    layer = {sym: hybrid_layer_activation_bytes(cfg.model, layout, Shape(s, b), sym, sequence_parallel=False,
+                                                fused_attention=True, keep_scores=True) for sym in "M*E"}
+    chunk_input = 2 * s * b * h  # bf16 [s, b, h]
+    expected = 3 * 2 * chunk_input + max(layer["M"] + layer["*"], layer["M"] + layer["E"])
+    assert training_activation_bytes(cfg, layout, Shape(s, b), 3) == pytest.approx(expected)
+    selective = small_config(tmp_path, *HYBRID_MOE, "model.recompute=selective", sft=True)
+    assert training_activation_bytes(selective, layout, Shape(s, b), 3) == pytest.approx(3 * sum(layer.values())
+                                                                                         + 3 * layer["M"])
+
+
+@pytest.mark.parametrize("top_p,truncated", [(1.0, False), (0.9, True)])
+def test_training_counts_logits_only_where_the_stage_samples_truncated(tmp_path, top_p, truncated):
+    """The fused log-prob head (training/output_head.py) keeps no [tokens, vocab] logits; top-k / top-p
+    sampling trains on the truncated distribution, which needs them (and their gradient)."""
+    from megatron_cascade.cascade.plan import fused_head_bytes, logits_bytes
+
+    cfg = small_config(tmp_path, "model.vocab_size=50000", "rollout.max_new_tokens=960", "data.max_prompt_tokens=64",
+                       f"rollout.top_p={top_p}", "training.micro_batch_size=1")
+    layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
+    plan = stage_memory(cfg, layout, resolve_stage(cfg, cfg.stages[0]))
+    tokens = 1024  # one micro-batch of prompt + response
+    logits = logits_bytes(cfg.model, layout, tokens)
+    assert logits == 2 * 2 * tokens * 50048  # bf16 logits and their gradient, vocab padded to 128
+    head = logits if truncated else fused_head_bytes(cfg.model, layout, tokens)
+    assert plan.logits * 2**30 == pytest.approx(head)
+    if not truncated:
+        # 2^24-element chunk buffers (bf16 logits, fp32 copy; fp32 softmax in forward, a bf16 weight
+        # gradient buffer in backward) and the hidden states with their gradient.
+        forward, backward = 2**24 * (2 + 4 + 4), 2**24 * (2 + 4) + 2 * 50048 * 64
+        assert head == 2 * 2 * tokens * 64 + max(forward, backward)
+    label = "logits (top-k/top-p)" if truncated else "fused head"
+    assert f"recompute=none, {label} " in describe_plan(cfg)
+
+
+def test_nemotron_3_nano_recipe_fits_80_gib():
+    """examples/nemotron_cascade2/nemotron_3_nano: full recompute of the hybrid layers and the fused head
+    bring every stage under 80 GiB per GPU (was 115-281 GiB with selective recompute and logits)."""
+    from pathlib import Path
+
+    from megatron_cascade.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "nemotron_cascade2" / "nemotron_3_nano" / "cascade.yaml"
+    out = describe_plan(load_config(str(recipe), check_paths=False))
+    assert "recompute=full" in out and "WARNING" not in out, out
