@@ -64,14 +64,15 @@ def mixed_from_sft(folder: str, cascade_out: str) -> Path:
     return path
 
 
-def mean_se(values: list[float]) -> str:
-    """``mean±se`` over seeds (the SE is the sample std / sqrt(n); '' with one value)."""
+def mean_se(values: list[float], signed: bool = False) -> str:
+    """``mean±se`` over seeds (the SE is the sample std / sqrt(n); only the mean with one value)."""
     if not values:
         return "-"
     mean = statistics.fmean(values)
+    text = f"{mean:+.2f}" if signed else f"{mean:.2f}"
     if len(values) < 2:
-        return f"{mean:.2f}"
-    return f"{mean:.2f}±{statistics.stdev(values) / math.sqrt(len(values)):.2f}"
+        return text
+    return f"{text}±{statistics.stdev(values) / math.sqrt(len(values)):.2f}"
 
 
 def _delta(results: dict[str, StageResult], stage: StageResult, domain: str) -> Optional[float]:
@@ -91,7 +92,7 @@ def stage_table(runs: list[list[StageResult]]) -> list[str]:
         for d in domains:
             scores = [run_[i].scores[d] for run_ in runs if d in run_[i].scores]
             deltas = [x for x in (_delta({r.name: r for r in run_}, run_[i], d) for run_ in runs) if x is not None]
-            cells.append(mean_se(scores) + (f" ({mean_se(deltas)})" if deltas else ""))
+            cells.append(mean_se(scores) + (f" ({mean_se(deltas, signed=True)})" if deltas else ""))
         lines.append(f"{name:<10}{runs[0][i].type:<6}" + "".join(f"{c:>30}" for c in cells))
     return lines
 
@@ -113,7 +114,7 @@ def gains_table(runs: list[list[StageResult]], domains_of: dict[str, list[str]])
                 gains.append(delta)
                 ratios.append(delta / se if se > 0 else float("inf"))
             per_seed = " ".join(f"{g:+.2f}/{r:.0f}SE" for g, r in zip(gains, ratios))
-            lines.append(f"{stage.name:<10}{d:<24}{mean_se(gains):>12}{mean_se(ratios):>18}  {per_seed}")
+            lines.append(f"{stage.name:<10}{d:<24}{mean_se(gains, signed=True):>12}{mean_se(ratios):>18}  {per_seed}")
     return lines
 
 
