@@ -5,7 +5,8 @@ The tiny ``M*ME`` model and GRPO batch of ``test_hybrid_training.py`` (8 sequenc
 layer, full in chunks of 3 (an uneven last chunk), and full in chunks of 2 over padding-free packed
 rows (sequence boundaries reach the recomputed Mamba and attention layers). Loss, every gradient and
 (unpacked) the routers' expert biases after the step (their token counts are taken in the recomputed
-forward) equal recompute=none to 1e-6 (fp32), at TP=1 and at TP=2 + sequence parallelism. Every layer's forward runs twice per
+forward) equal recompute=none to 1e-6 (fp32), at TP=1, at TP=2 + sequence parallelism and at PP=2 (the
+second stage recomputes from the activations it received). Every layer's forward runs twice per
 micro-batch under full recompute (once more in backward) and once in the log-prob pass (no grad) and
 in generation (the SSM-state path keeps its single forward, and its tokens are those of recompute=none).
 """
@@ -91,7 +92,8 @@ def _worker(parallel: ParallelConfig):
         train_calls = calls.take()
         forward_logprobs(policy.chunks, batch, spec, MICRO_BATCH)
         logprob_calls = calls.take()
-        tokens = _generated_tokens(policy.module)
+        # Generation runs the whole model on each rank: not with pipeline stages.
+        tokens = _generated_tokens(policy.module) if parallel.pipeline_model_parallel_size == 1 else []
         results[(recompute, chunk, packing)] = dict(
             loss=metrics["loss"], grads=_grads(policy.module), train_calls=train_calls, logprob_calls=logprob_calls,
             generation_calls=calls.take(), tokens=tokens,
@@ -99,24 +101,31 @@ def _worker(parallel: ParallelConfig):
     return results
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tensor_model_parallel_size=2,
-                                                                       sequence_parallel=True)],
-                         ids=["tp1", "tp2-sp"])
-def test_full_recompute_equals_no_recompute_and_runs_each_layer_twice(parallel):
-    world = parallel.tensor_model_parallel_size
-    for results in run_distributed(_worker, world, parallel):
+LAYOUTS = {"tp1": ParallelConfig(), "tp2-sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+           "pp2": ParallelConfig(pipeline_model_parallel_size=2)}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_full_recompute_equals_no_recompute_and_runs_each_layer_twice(name):
+    parallel = LAYOUTS[name]
+    world = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+    layers = 4 // parallel.pipeline_model_parallel_size
+    ranks = run_distributed(_worker, world, parallel)
+    # The MoE layer (the last of "M*ME") is on the last pipeline stage.
+    assert ranks[-1][SETTINGS[0]]["biases"]
+    for results in ranks:
         ref = results[SETTINGS[0]]
         micro_batches = 8 // MICRO_BATCH
-        assert ref["train_calls"] == [micro_batches] * 4
+        assert ref["train_calls"] == [micro_batches] * layers
         assert sum(g.abs().sum() > 0 for g in ref["grads"].values()) > len(ref["grads"]) // 2
-        assert ref["biases"] and all(b.abs().sum() > 0 for b in ref["biases"].values())
+        assert all(b.abs().sum() > 0 for b in ref["biases"].values())
         for setting in SETTINGS[1:]:
             got = results[setting]
             packed = setting[2]
             # Forward, then once more in backward: the layer's activations were not kept (packed: per row).
             rows = got["train_calls"][0] // 2 if packed else micro_batches
-            assert got["train_calls"] == [2 * rows] * 4, setting
-            assert got["logprob_calls"] == ref["logprob_calls"] == [micro_batches] * 4, setting
+            assert got["train_calls"] == [2 * rows] * layers, setting
+            assert got["logprob_calls"] == ref["logprob_calls"] == [micro_batches] * layers, setting
             assert got["generation_calls"] == ref["generation_calls"] and got["tokens"] == ref["tokens"], setting
             assert abs(got["loss"] - ref["loss"]) < 1e-6, setting
             assert got["grads"].keys() == ref["grads"].keys()
