@@ -21,10 +21,10 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
 Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
 layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
 attention-only, MLP-only and MoE-only layers; under ``recompute: full`` (``model/hybrid_model.py``)
-each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate through the static context
-(``rollout/static.py``): batches of as many samples as ``rollout.kv_cache_*`` holds (and a prefill
-of 16K prompt tokens allows), each row with its K/V (attention layers only) and Mamba states, and one
-prefill per batch.
+each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate
+through the static context (``rollout/static.py``): batches of as many samples as
+``rollout.kv_cache_*`` holds (and a prefill of 16K prompt tokens allows), each row with its K/V
+(attention layers only) and Mamba states, and one prefill per batch.
 """
 
 from __future__ import annotations
@@ -416,7 +416,8 @@ def fused_head_bytes(m: ModelConfig, layout: Layout, tokens: float) -> float:
     e = _DTYPE_BYTES[m.precision]
     upcast = 4 if e != 4 else 0
     forward = _HEAD_CHUNK_ELEMENTS * (e + upcast + 4)
-    backward = _HEAD_CHUNK_ELEMENTS * (e + upcast) + (e * m.padded_vocab_size / layout.tp * m.hidden_size if upcast else 0)
+    weight_grad = e * m.padded_vocab_size / layout.tp * m.hidden_size if upcast else 0
+    backward = _HEAD_CHUNK_ELEMENTS * (e + upcast) + weight_grad
     return 2 * e * tokens * m.hidden_size + max(forward, backward)
 
 

@@ -159,8 +159,8 @@ def test_kv_budget_caps_the_cache_and_the_samples_running_at_once(tmp_path):
 
 
 HYBRID_MOE = ["model.architecture=hybrid", "model.hybrid.layer_pattern=M*ME", "model.hybrid.mamba_head_dim=16",
-              "model.hybrid.mamba_num_groups=2", "model.hybrid.mamba_state_dim=16", "model.position_embedding_type=none",
-              "model.activation=squared_relu", *MOE]
+              "model.hybrid.mamba_num_groups=2", "model.hybrid.mamba_state_dim=16",
+              "model.position_embedding_type=none", "model.activation=squared_relu", *MOE]
 
 
 def test_hybrid_full_recompute_keeps_chunk_inputs_plus_the_largest_chunk(tmp_path):
