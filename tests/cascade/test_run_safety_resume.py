@@ -135,7 +135,7 @@ def test_started_stage_settings_model_data_and_eval_are_refused(recorded):
                "eval.max_prompts=3", "domains.math.train=/elsewhere.jsonl")
     text = str(exc.value)
     for line in ("stages.sft.steps: 3 -> 5", "stages.sft.optimizer.lr: 0.001 -> 0.5", "model.hidden_size: ",
-                 "eval.max_prompts: 48 -> 3", "domains.math.train: "):
+                 "eval.max_prompts: 64 -> 3", "domains.math.train: "):
         assert line in text, text
 
 
