@@ -9,7 +9,9 @@ PyTorch container); without CUDA it exits with status 2. Checks, printed as PASS
                      (megatron-core's TE mamba_stack_spec, mamba_ssm's Triton kernels, fp32): logits
                      agree to 1e-3 relative (the kernels' float order differs from the torch scan);
   hybrid_generation  greedy generation with the SSM state cached in the static context equals a full
-                     recompute (same tokens; log-probs within 1e-3), prompts of several lengths.
+                     recompute (same tokens; log-probs within 1e-3), prompts of several lengths;
+  hybrid_recompute   model.recompute=full vs none: gradients within 1e-4 relative, each layer runs
+                     twice, peak MiB of both.
 """
 
 from __future__ import annotations
@@ -111,7 +113,57 @@ def run_checks(ref_dir: str) -> list[dict]:
     lp = max(abs(a - b) for s, r in zip(cached, full) for a, b in zip(s.response_logprobs, r.response_logprobs))
     results.append(dict(name="hybrid_generation", status="PASS" if same and lp < 1e-3 else "FAIL",
                         detail="cached SSM state vs full recompute, greedy", same_tokens=same, max_logprob_diff=lp))
+    results.append(check_hybrid_recompute())
     return results
+
+
+def check_hybrid_recompute() -> dict:
+    """recompute=full vs none on the hybrid model (TE spec, mamba_ssm kernels on GPU): one forward +
+    backward of the same tokens; every gradient agrees and each layer runs twice under full."""
+    from dataclasses import replace
+
+    import torch
+
+    from megatron_cascade.config.model import ParallelConfig
+    from megatron_cascade.model.builder import build_model
+
+    cfg = model_config()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = probe_tokens().to(device)
+    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    grads, calls, peaks, state = {}, {}, {}, None
+    for recompute in ("none", "full"):
+        model = build_model(replace(cfg, recompute=recompute, recompute_num_layers=1), ParallelConfig()).train()
+        if state is None:
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(state)
+        count = [0]
+        hooks = [layer.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+                 for layer in model.decoder.layers]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        logits = model(tokens, positions, None).float()
+        torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).sum().backward()
+        if device == "cuda":
+            peaks[recompute] = torch.cuda.max_memory_allocated() / 2**20
+        for hook in hooks:
+            hook.remove()
+        calls[recompute] = count[0]
+        grads[recompute] = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                            if p.grad is not None}
+        del model, logits
+    err = max(((grads["full"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+              for n, g in grads["none"].items())
+    layers = len(cfg.hybrid.layer_pattern)
+    ok = grads["none"].keys() == grads["full"].keys() and err < 1e-4 and calls == {"none": layers, "full": 2 * layers}
+    result = dict(name="hybrid_recompute", status="PASS" if ok else "FAIL",
+                  detail="recompute=full vs none, forward+backward", max_rel_grad_err=err,
+                  layer_calls_none=calls["none"], layer_calls_full=calls["full"])
+    if peaks:
+        result.update(peak_mib_none=peaks["none"], peak_mib_full=peaks["full"])
+    return result
 
 
 def main() -> int:
