@@ -47,6 +47,7 @@ def private_sandbox_root():
     """This session's sandboxes make their folders (mc-sandbox-*) in a private temporary folder, so
     that the leftover check sees (and kills) only this session's, never another run's on the machine."""
     before, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="mc-reward-tests-")
+    os.chmod(folder, 0o711)  # traversable (not listable) for the unsafe mode's dropped uid, as /tmp is
     tempfile.tempdir = folder
     yield folder
     tempfile.tempdir = before
