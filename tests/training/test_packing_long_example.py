@@ -4,7 +4,7 @@ packed and recomputed; the recipe's long-context stage packs."""
 import importlib.util
 from pathlib import Path
 
-from megatron_cascade.config.loader import load_config
+from megatron_cascade.config.loader import load_config, resolve_stage
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = EXAMPLES / "tiny_cascade"
@@ -42,5 +42,6 @@ def test_long_yaml_trains_packed_and_recomputed():
     assert cfg.model.recompute == "full"
     assert cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens < cfg.model.max_position_embeddings
     recipe = load_config(str(EXAMPLES / "nemotron_cascade2" / "05_long_context_rl.yaml"), check_paths=False)
-    assert recipe.training.sequence_packing and recipe.training.max_tokens_per_row == 81920
+    stage = resolve_stage(recipe, recipe.stages[0])  # packing is the stage's (as in cascade.yaml)
+    assert stage.training.sequence_packing and stage.training.max_tokens_per_row == 81920
     assert recipe.training.micro_batch_size == 1  # base.yaml's, kept
