@@ -42,27 +42,24 @@ def marker() -> str:
     return f"mcmarker{uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def private_sandbox_root():
-    """This session's sandboxes make their folders (mc-sandbox-*) in a private temporary folder, so
-    that the leftover check sees (and kills) only this session's, never another run's on the machine."""
-    before, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="mc-reward-tests-")
-    os.chmod(folder, 0o711)  # traversable (not listable) for the unsafe mode's dropped uid, as /tmp is
-    tempfile.tempdir = folder
-    yield folder
-    tempfile.tempdir = before
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
-def no_leftovers(private_sandbox_root):
-    """After the test: no process of this session's sandbox runs (their command lines name their
-    mc-sandbox-* folder) is alive."""
-    yield
-    leftovers = processes_with(os.path.join(private_sandbox_root, "mc-sandbox-"))
+def no_leftovers():
+    """After the test: no process of this test's sandbox runs is alive. The test's sandboxes make
+    their folders (mc-sandbox-*, named on their command lines) in a private temporary folder, so the
+    check sees (and kills) only theirs, never another run's on the machine; the folder is traversable
+    (0711, as /tmp) for the unsafe mode's dropped uid."""
+    before, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="mc-reward-test-")
+    os.chmod(folder, 0o711)
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+    leftovers = processes_with(os.path.join(folder, "mc-sandbox-"))
     for p in leftovers:  # clean up before failing, so one failure does not cascade
         try:
             p.kill()
         except psutil.Error:
             pass
+    shutil.rmtree(folder, ignore_errors=True)
     assert not leftovers, [p.info for p in leftovers]
