@@ -288,9 +288,9 @@ def test_programs_die_with_the_trainer(box, prelude, marker, processes_with):
         box.run(Program("{prelude}import time\\ntime.sleep(60)  # {marker}"), SandboxLimits(timeout_s=60))
     """)
     proc = subprocess.Popen([sys.executable, "-c", trainer])
+    tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
-        tree: list[psutil.Process] = []
         # Wait for the program itself (its argv ends in main.py), a descendant of this trainer.
         while not any(_argv(p)[-1:] and _argv(p)[-1].endswith("main.py") for p in tree):
             assert time.monotonic() < deadline and proc.poll() is None, "the program never started"
@@ -306,8 +306,13 @@ def test_programs_die_with_the_trainer(box, prelude, marker, processes_with):
     finally:
         if proc.poll() is None:
             proc.kill()
-        for p in processes_with(marker) + processes_with("mc-sandbox-"):
-            p.kill()
+        # This test's sandbox tree only, never another run's sandboxes on the machine; one may exit
+        # between the listing and the kill.
+        for p in tree + processes_with(marker):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
 
 
 def _uid_of_program(local_rank: str) -> int:
