@@ -13,8 +13,6 @@ step equal the reference.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 

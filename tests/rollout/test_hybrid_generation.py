@@ -11,8 +11,6 @@ n = 2 samples per prompt.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 

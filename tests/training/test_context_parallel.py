@@ -22,7 +22,7 @@ from megatron_cascade.config.training import LossConfig, OptimizerConfig, Traini
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.training.context_parallel import cp_row_positions, zigzag_positions
 
-from test_packing import BATCH, MODEL, SPANS, VOCAB, make_batch
+from test_packing import MODEL, SPANS, VOCAB, make_batch
 
 
 def _step(parallel: ParallelConfig, weights, batch, trainings: dict):
