@@ -10,7 +10,7 @@ object per line::
 
 Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
 
-* math: ``"answer"`` -- "a+b=" -> "c" with a, b in [0, 30) (greedy-scored by math-verify);
+* math: ``"answer"`` -- "a+b=" -> "c", a three-digit a plus a one-digit b that carries (math-verify);
 * instruction_following: ``"instructions"`` -- IFEval ids with kwargs; the score is the fraction
   followed (e.g. "say cat in caps" -> "CAT": change_case:english_capital + keywords:existence);
   12 words x 5 formats, split by (word, format) pair;
@@ -36,11 +36,19 @@ import random
 from pathlib import Path
 
 DOMAINS = ("math", "instruction_following", "code")
-EVAL_ROWS = {"math": 64, "instruction_following": 64, "code": 48}
+# Held-out rows per domain: 128 x 8 samples puts the standard error of a score near 0.9 at ~0.01, small
+# enough to tell a student 0.03 below its teacher; code stays at 48 (every sample runs in the sandbox).
+EVAL_ROWS = {"math": 128, "instruction_following": 128, "code": 48}
 # Fraction of SFT rows that show the right behaviour; the rest show the domain's habit (below).
 SFT_FOLLOWS = 0.4
 
-N_WORDS = 120  # consonant-vowel-consonant words: copying one is a skill, not a memorised answer
+# Consonant-vowel-consonant words (of 1,445): copying one is a skill, not a memorised answer. With 120
+# words (600 items) the SFT model memorised its rows and copied a held-out word right 5% of the time;
+# with 800 it copies it (the errors left after SFT are mostly the habit, which is what RL removes).
+N_WORDS = 800
+# Code constants k in [1, CODE_K_MAX): three digits to copy, 3,000 items (with k < 100 the SFT model
+# memorised them: +42 came out as +40 or +32).
+CODE_K_MAX = 1000
 
 
 # Each item is (prompt, right response, habitual response, reward fields). The SFT teacher has a habit:
@@ -50,12 +58,15 @@ N_WORDS = 120  # consonant-vowel-consonant words: copying one is a skill, not a 
 # prompts (drop the habit) carries over to held-out prompts of the same task.
 
 def math_items(rng: random.Random) -> list[tuple]:
-    """Two-digit + one-digit additions that carry ("47+5=" -> "52"); the habit forgets the carry ("42").
-    (SFT rows without a carry, always right, made the habit near certain: pass@8 0.05 after SFT.)"""
+    """Three-digit + one-digit additions that carry into the tens ("347+5=" -> "352"); the habit forgets
+    the carry ("342"). Tens digits 1..8, so the carry never reaches the hundreds. (SFT rows without a
+    carry, always right, made the habit near certain: pass@8 0.05 after SFT; two-digit sums alone, 360
+    items, were memorised: 20% of held-out answers wrong in other ways after SFT, 4% with 3,240.)"""
     rows = []
-    for a in range(10, 90):
-        for b in range(10 - a % 10, 10):
-            rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
+    for hundreds in range(100, 1000, 100):
+        for a in range(hundreds + 10, hundreds + 90):
+            for b in range(10 - a % 10, 10):
+                rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
     return rows
 
 
@@ -67,7 +78,9 @@ def if_items(rng: random.Random) -> list[tuple]:
     """A word in one of five formats ("say cat in caps" -> "CAT"); the habit ignores the format ("cat")."""
     words: set[str] = set()
     while len(words) < N_WORDS:
-        words.add(rng.choice("bcdfghklmnprstvwz") + rng.choice("aeiou") + rng.choice("bcdfghklmnprstvwz"))
+        word = rng.choice("bcdfghklmnprstvwz") + rng.choice("aeiou") + rng.choice("bcdfghklmnprstvwz")
+        if not word.endswith("ok"):  # "say wok and end with ok": the habit "wok" would already end with ok
+            words.add(word)
     rows = []
     for w in sorted(words):
         rows.append((f"say {w} in caps", w.upper(), w,
@@ -92,9 +105,9 @@ def code_items(rng: random.Random) -> list[tuple]:
     """stdin -> stdout arithmetic on n ("add 7 to n" -> print(int(input())+7)); the habit forgets the
     int() (a TypeError, or the string repeated)."""
     families = []  # (prompt, operator, k)
-    families += [(f"add {k} to n", "+", k) for k in range(1, 100)]
-    families += [(f"subtract {k} from n", "-", k) for k in range(1, 100)]
-    families += [(f"multiply n by {k}", "*", k) for k in range(2, 100)]
+    families += [(f"add {k} to n", "+", k) for k in range(1, CODE_K_MAX)]
+    families += [(f"subtract {k} from n", "-", k) for k in range(1, CODE_K_MAX)]
+    families += [(f"multiply n by {k}", "*", k) for k in range(2, CODE_K_MAX)]
     apply = {"+": lambda x, k: x + k, "-": lambda x, k: x - k, "*": lambda x, k: x * k}
     rows = []
     for prompt, op, k in families:

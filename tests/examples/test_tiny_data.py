@@ -35,7 +35,7 @@ def test_committed_data_is_what_make_data_generates(tmp_path):
     for name in names:
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), \
             f"{name} is stale: rerun python examples/tiny_cascade/make_data.py"
-    assert sum(p.stat().st_size for p in DATA.iterdir()) < 2 * 1024 * 1024
+    assert sum(p.stat().st_size for p in DATA.iterdir()) < 3 * 1024 * 1024  # the repo stays small
 
 
 def test_another_seed_gives_another_split(tmp_path):
@@ -52,7 +52,7 @@ def test_rows_are_small_and_well_formed(domain):
             assert row["domain"] == domain and REWARD_FIELD[domain] in row
             assert 0 < len(row["prompt"]) <= 40 and 0 < len(row["response"]) <= 40
             (row["prompt"] + row["response"]).encode("ascii")  # char tokenizer vocabulary
-    assert 20 <= len(_rows(domain, "eval")) <= 64
+    assert 20 <= len(_rows(domain, "eval")) <= 128
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
