@@ -134,8 +134,9 @@ def test_started_stage_settings_model_data_and_eval_are_refused(recorded):
         _check(recorded, "stages.sft.steps=5", "stages.sft.optimizer.lr=0.5", "model.hidden_size=32",
                "eval.max_prompts=3", "domains.math.train=/elsewhere.jsonl")
     text = str(exc.value)
+    demo_max_prompts = load_config(recorded).eval.max_prompts  # follows the demo config
     for line in ("stages.sft.steps: 3 -> 5", "stages.sft.optimizer.lr: 0.001 -> 0.5", "model.hidden_size: ",
-                 "eval.max_prompts: 64 -> 3", "domains.math.train: "):
+                 f"eval.max_prompts: {demo_max_prompts} -> 3", "domains.math.train: "):
         assert line in text, text
 
 
