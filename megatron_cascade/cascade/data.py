@@ -1,7 +1,8 @@
 """Prompt datasets: JSONL rows per domain, validated, and a deterministic weighted mixer.
 
 A row is one JSON object: ``prompt`` (str) or ``messages`` (chat list), optional ``domain``
-(must match the domain it is listed under), ``response`` (the SFT target), and whatever fields the
+(must match the domain it is listed under), ``response`` (the SFT target), ``tools`` (JSON schemas of
+the tools the model may call, rendered by the tokenizer's chat template), and whatever fields the
 domain's reward reads (``answer``, ``tests``, ``instructions``, ``schema``...). A malformed row (bytes
 that are not UTF-8, invalid JSON, missing fields...) is reported with ``file:line`` and skipped, or
 stops the run, per ``data.on_bad_row``.
@@ -53,6 +54,16 @@ def _messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
+def _tools(row: dict) -> Optional[list[dict]]:
+    """The row's ``tools`` (JSON schemas for the chat template), or None when it declares none."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"'tools' must be a list of JSON objects (tool schemas), got {json.dumps(tools)[:200]}")
+    return tools
+
+
 def _decode(raw: bytes) -> str:
     """One line of a JSONL file as text; bytes that are not UTF-8 make the row bad (not the file)."""
     try:
@@ -74,10 +85,9 @@ def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prom
         raise DataError(f"row says domain {row['domain']!r} but is listed under domain {domain!r}")
     if need_response and not isinstance(row.get("response"), str):
         raise DataError("an sft stage needs a string 'response' in every row")
+    messages, tools = _messages(row), _tools(row)
     try:
-        ids = tokenizer.apply_chat_template(_messages(row), add_generation_prompt=True)
-    except DataError:
-        raise
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except Exception as exc:  # noqa: BLE001 - tokenizer errors name the bad character etc.
         raise DataError(f"cannot tokenise the prompt: {exc}") from None
     if len(ids) > max_prompt_tokens:

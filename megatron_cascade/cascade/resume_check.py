@@ -1,6 +1,6 @@
 """Resume safety: compare a run's resolved config with the one its directory records (``config.yaml``).
 
-What a run has computed so far depends on the seed, tokenizer, model, start weights, data handling,
+What a run has computed so far depends on the seed, tokenizer (and its chat-template arguments), model, start weights, data handling,
 reward handling, and on the resolved settings of every *started* stage (complete, or holding a
 checkpoint), including its place in the stage order (stage seeds and start weights follow from it);
 once a stage is complete, its evaluation too. A change to any of these is refused unless the user
@@ -31,7 +31,8 @@ FREE_KEYS = ("output_dir", "parallel", "checkpoint", "distributed", "logging", "
              "model.recompute_num_layers", "rollout.kv_cache_bytes", "rollout.kv_cache_fraction",
              "rollout.kv_block_size_tokens")
 # Run-level keys that shape every started stage (their sections under a stage are compared resolved).
-_RUN_KEYS = ("seed", "tokenizer", "init_checkpoint", "model", "data", "rewards")
+# chat_template_kwargs change every rendered prompt (enable_thinking), like the tokenizer itself.
+_RUN_KEYS = ("seed", "tokenizer", "chat_template_kwargs", "init_checkpoint", "model", "data", "rewards")
 # What evaluation after a stage reads besides ``eval`` and the eval domains.
 _EVAL_ROLLOUT_KEYS = ("rollout.max_new_tokens", "rollout.stop_strings")
 

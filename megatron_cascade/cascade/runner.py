@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def build_context(cfg: RunConfig) -> RunContext:
     """Tokenizer, manifest, eval sets and rewards for a run (distributed must be initialised)."""
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.chat_template_kwargs)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
                           f"{cfg.model.vocab_size}; raise model.vocab_size")

@@ -15,6 +15,7 @@ from megatron_cascade.config.model import ModelConfig, ParallelConfig
 from megatron_cascade.config.rules import Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
+from megatron_cascade.tokenizers.hf import RESERVED_TEMPLATE_ARGUMENTS
 
 STAGE_TYPES = tuple(_REGISTERED_STAGE_TYPES)  # the stage-type registry (megatron_cascade/stages)
 
@@ -229,6 +230,22 @@ class StageConfig:
                 "per prompt (a group of one has advantage 0 and trains nothing)")
 
 
+def _json_like(value: Any) -> bool:
+    """``value`` is JSON data: null, bool, number, string, or lists and string-keyed dicts of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return not isinstance(value, float) or math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_json_like(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    return False
+
+
+def _template_variables(kwargs: Dict[str, Any]) -> bool:
+    """Keys are Jinja variable names (identifiers) and values JSON data."""
+    return all(isinstance(k, str) and k.isidentifier() for k in kwargs) and _json_like(dict(kwargs))
+
+
 @dataclass
 class RunConfig:
     """A whole cascade run."""
@@ -238,6 +255,11 @@ class RunConfig:
     seed: int = ranged(1234, ge=0, lt=2**32)
     # builtin:char | a local Hugging Face tokenizer folder
     tokenizer: str = checked(bool, "must name a tokenizer", default="builtin:char")
+    # Extra variables of the Hugging Face chat template, passed to every rendering (prompts and tool
+    # turns): e.g. {enable_thinking: false} turns reasoning off in Qwen3 and Nemotron-3-Nano templates.
+    chat_template_kwargs: Dict[str, Any] = checked(
+        _template_variables, "must map variable names (identifiers) to JSON values (null, bool, number, string, "
+        "lists and mappings of them)", default_factory=dict)
     init_checkpoint: Optional[str] = None  # weights dir (or converted HF) to start from; null = random
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -254,6 +276,17 @@ class RunConfig:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     domains: Dict[str, DomainConfig] = field(default_factory=dict)
     stages: List[StageConfig] = field(default_factory=list)
+
+    def validate(self, prefix: str = "") -> None:
+        """Rules between run-level fields (``ConfigError`` naming the keys)."""
+        reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs))
+        require(not reserved, f"{prefix}chat_template_kwargs: {reserved} are arguments of apply_chat_template "
+                              "itself, not chat-template variables (tools come from each data row's 'tools')")
+        # A builtin tokenizer renders in code, without Jinja: the variables would be silently ignored.
+        require(not (self.chat_template_kwargs and self.tokenizer.startswith("builtin:")),
+                f"{prefix}chat_template_kwargs={self.chat_template_kwargs!r} needs a Hugging Face tokenizer with a "
+                f"Jinja chat template; tokenizer={self.tokenizer!r} has none: remove chat_template_kwargs or "
+                "set tokenizer to a Hugging Face tokenizer folder")
 
 
 @dataclass

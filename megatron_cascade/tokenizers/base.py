@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 #: A chat message: ``{"role": "system" | "user" | "assistant", "content": str}``.
 Message = Mapping[str, str]
@@ -41,8 +41,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens=False``."""
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, ending with the assistant prefix if ``add_generation_prompt``."""
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+        """Token ids of a conversation, ending with the assistant prefix if ``add_generation_prompt``;
+        ``tools``: the JSON schemas of the tools the model may call (a data row's ``tools``)."""
 
     def fingerprint(self) -> str:
         """Hex digest identifying the vocabulary (see :func:`vocabulary_fingerprint`)."""

@@ -10,7 +10,7 @@ i.e. every turn ends with ``<eos>``, so a sampled ``<eos>`` ends the assistant's
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_cascade.tokenizers.base import Message, vocabulary_fingerprint
 
@@ -77,8 +77,13 @@ class CharTokenizer:
             out.append(self._tokens[i])
         return "".join(out)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """``<bos>`` then ``<|role|> content <eos>`` per message, then ``<|assistant|>`` if asked."""
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+        """``<bos>`` then ``<|role|> content <eos>`` per message, then ``<|assistant|>`` if asked.
+
+        ``tools`` are not rendered: this template has no place for schemas; prompts for the tiny
+        models name their tools in the prompt text, and stay as the models were trained on them.
+        """
         ids = [self.bos_id]
         for message in messages:
             ids.append(self.role_id(message["role"]))

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Optional
+
 from megatron_cascade.tokenizers.base import Tokenizer
 from megatron_cascade.tokenizers.char import CharTokenizer
 
 _BUILTINS = {"builtin:char": CharTokenizer}
 
 
-def build_tokenizer(spec: str) -> Tokenizer:
-    """A tokenizer from ``spec``: ``"builtin:char"`` or a local Hugging Face tokenizer directory."""
+def build_tokenizer(spec: str, chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> Tokenizer:
+    """A tokenizer from ``spec``: ``"builtin:char"`` or a local Hugging Face tokenizer directory.
+
+    ``chat_template_kwargs``: extra variables of a Hugging Face chat template (``enable_thinking``);
+    a builtin tokenizer has no Jinja template, so it refuses them rather than ignoring them.
+    """
     if spec.startswith("builtin:"):
         if spec not in _BUILTINS:
             raise ValueError(f"unknown builtin tokenizer {spec!r}; available: {sorted(_BUILTINS)}")
+        if chat_template_kwargs:
+            raise ValueError(f"tokenizer {spec!r} has no Jinja chat template: chat_template_kwargs "
+                             f"{sorted(chat_template_kwargs)} would be ignored")
         return _BUILTINS[spec]()
     from megatron_cascade.tokenizers.hf import HFTokenizer
 
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, chat_template_kwargs)

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_cascade.tokenizers.base import Message, vocabulary_fingerprint
+
+#: Parameters of ``transformers``' own ``apply_chat_template`` (and the ``messages`` it hands the
+#: template): a chat-template argument of one of these names would collide with what this wrapper
+#: passes or change how it renders, so ``chat_template_kwargs`` may not use them.
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class HFTokenizer:
@@ -13,11 +22,20 @@ class HFTokenizer:
 
     ``vocab_size`` is ``len(tokenizer)``: the base vocabulary plus added tokens, i.e. every id the
     tokenizer can produce. ``pad_id`` falls back to ``eos_id`` when the tokenizer has no pad token.
+
+    ``chat_template_kwargs`` (the run's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``)
+    are extra variables of the Jinja chat template, passed to every rendering: prompts and tool turns
+    must be rendered alike, so they belong to the tokenizer, not to each call.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         from transformers import AutoTokenizer
 
+        reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs {reserved} are arguments of apply_chat_template itself, "
+                             "not template variables")
+        self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -55,16 +73,22 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the conversation rendered by the tokenizer's own ``chat_template``."""
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+        """Token ids of the conversation rendered by the tokenizer's own ``chat_template``, with the
+        tool schemas ``tools`` (the template places them, e.g. in its system turn) and the tokenizer's
+        ``chat_template_kwargs``."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError(f"tokenizer {self.name!r} has no chat_template (tokenizer_config.json)")
         # Render to text, then encode: the return type of tokenize=True differs across transformers
         # versions (list vs BatchEncoding); the text path is the same in all of them.
         text = self._tok.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+            [dict(m) for m in messages], tools=None if tools is None else [dict(t) for t in tools],
+            add_generation_prompt=add_generation_prompt, tokenize=False, **self.chat_template_kwargs,
         )
         return self.encode(text)
 
     def fingerprint(self) -> str:
+        # The vocabulary only: chat_template_kwargs change how prompts are rendered, not what an id means,
+        # so a teacher and a student rendering with different kwargs still compare log-probs token by token.
         return vocabulary_fingerprint(self._tok.get_vocab())
