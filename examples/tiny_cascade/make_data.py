@@ -13,7 +13,7 @@ Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
 * math: ``"answer"`` -- "a+b=" -> "c", a three-digit a plus a one-digit b that carries (math-verify);
 * instruction_following: ``"instructions"`` -- IFEval ids with kwargs; the score is the fraction
   followed (e.g. "say cat in caps" -> "CAT": change_case:english_capital + keywords:existence);
-  12 words x 5 formats, split by (word, format) pair;
+  800 words x 5 formats, split by (word, format) pair;
 * code: ``"tests"`` -- stdin -> stdout checks of the last ```python block (all must pass).
 
 ``--long`` writes the long-context task instead (``examples/tiny_cascade/long.yaml``):
