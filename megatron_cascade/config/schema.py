@@ -15,7 +15,7 @@ from megatron_cascade.config.model import ModelConfig, ParallelConfig
 from megatron_cascade.config.rules import Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
-from megatron_cascade.tokenizers.hf import RESERVED_TEMPLATE_ARGUMENTS
+from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
 
 STAGE_TYPES = tuple(_REGISTERED_STAGE_TYPES)  # the stage-type registry (megatron_cascade/stages)
 
@@ -279,14 +279,8 @@ class RunConfig:
 
     def validate(self, prefix: str = "") -> None:
         """Rules between run-level fields (``ConfigError`` naming the keys)."""
-        reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs))
-        require(not reserved, f"{prefix}chat_template_kwargs: {reserved} are arguments of apply_chat_template "
-                              "itself, not chat-template variables (tools come from each data row's 'tools')")
-        # A builtin tokenizer renders in code, without Jinja: the variables would be silently ignored.
-        require(not (self.chat_template_kwargs and self.tokenizer.startswith("builtin:")),
-                f"{prefix}chat_template_kwargs={self.chat_template_kwargs!r} needs a Hugging Face tokenizer with a "
-                f"Jinja chat template; tokenizer={self.tokenizer!r} has none: remove chat_template_kwargs or "
-                "set tokenizer to a Hugging Face tokenizer folder")
+        problem = chat_template_kwargs_problem(self.tokenizer, self.chat_template_kwargs)
+        require(problem is None, f"{prefix}{problem}")
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_cascade.tokenizers.base import Tokenizer
 from megatron_cascade.tokenizers.char import CharTokenizer
+from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
 
 _BUILTINS = {"builtin:char": CharTokenizer}
 
@@ -19,9 +20,9 @@ def build_tokenizer(spec: str, chat_template_kwargs: Optional[Mapping[str, Any]]
     if spec.startswith("builtin:"):
         if spec not in _BUILTINS:
             raise ValueError(f"unknown builtin tokenizer {spec!r}; available: {sorted(_BUILTINS)}")
-        if chat_template_kwargs:
-            raise ValueError(f"tokenizer {spec!r} has no Jinja chat template: chat_template_kwargs "
-                             f"{sorted(chat_template_kwargs)} would be ignored")
+        problem = chat_template_kwargs_problem(spec, chat_template_kwargs or {})
+        if problem:
+            raise ValueError(problem)
         return _BUILTINS[spec]()
     from megatron_cascade.tokenizers.hf import HFTokenizer
 

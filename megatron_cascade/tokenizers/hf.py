@@ -6,15 +6,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_cascade.tokenizers.base import Message, vocabulary_fingerprint
-
-#: Parameters of ``transformers``' own ``apply_chat_template`` (and the ``messages`` it hands the
-#: template): a chat-template argument of one of these names would collide with what this wrapper
-#: passes or change how it renders, so ``chat_template_kwargs`` may not use them.
-RESERVED_TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
 
 
 class HFTokenizer:
@@ -31,10 +23,9 @@ class HFTokenizer:
     def __init__(self, path: str, chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         from transformers import AutoTokenizer
 
-        reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(chat_template_kwargs or {}))
-        if reserved:
-            raise ValueError(f"chat_template_kwargs {reserved} are arguments of apply_chat_template itself, "
-                             "not template variables")
+        problem = chat_template_kwargs_problem(path, chat_template_kwargs or {})
+        if problem:
+            raise ValueError(problem)
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
