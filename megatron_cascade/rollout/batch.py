@@ -48,12 +48,17 @@ class GenerationStats:
         dummy_steps: forwards without work of its own, run in step with the expert-parallel group.
         peak_requests: most requests live in one step.
         kv_cache_bytes: bytes of the KV block buffer allocated (dummy block included).
+        preemptions: requests taken out of the cache for lack of blocks (KV on demand), each
+            prefilled again later from its prompt + response so far.
+        recomputed_tokens: response tokens prefilled again after preemptions.
     """
 
     steps: int = 0
     dummy_steps: int = 0
     peak_requests: int = 0
     kv_cache_bytes: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass

@@ -11,11 +11,17 @@ A prompt's ``n`` samples share one prefill: the prompt enters as one request, it
 first token of each sample admitted with it, and the context forks the request into copies of its
 KV blocks (``PagedContext.fork``) before the step's bookkeeping.
 
-Memory: each admitted sample reserves the blocks of its prompt plus its whole response budget, so
-a running request never waits for a block (Megatron's pause / evict / recompute never triggers)
-and the cache never grows past the budget; samples that do not fit wait for releases. This is
-conservative when most responses stop early: an optimistic admission with eviction (Megatron's
-engine) would run more requests at once; it is left for when a GPU profile says it matters.
+Memory (KV on demand): a request is admitted when the free blocks hold its tokens so far plus
+the next one (every sample admitted with a prompt counts, for the forks); later blocks are taken
+one at a time as its response grows. When a step's requests need more new blocks than are free,
+the most recently admitted requests are preempted (vLLM's recompute policy): their blocks are
+freed and they go back to the front of the queue with their tokens so far, to be prefilled again
+from prompt + response when blocks free up. Their sampled tokens do not change: sampling noise is
+a hash of (seed, prompt, sample, position), never of the batch (``noise.py``); their log-probs
+change by float rounding only (a prefill instead of decode steps). The oldest request is never
+preempted, so every call finishes as long as one request fits the budget at its longest (checked
+up front). ``KVCacheConfig.reserve_full_response`` restores worst-case reservation (blocks for the
+whole response budget at admission, never a preemption): the benchmark's baseline.
 
 Expert-parallel lockstep: MoE all-to-alls need every rank of the expert-parallel group in every
 forward. One all-reduce (MAX over the EP group) per step decides whether any rank still has work;
@@ -57,7 +63,8 @@ class _Lane:
     def __init__(self, ctx: PagedContext, usable: int) -> None:
         self.ctx = ctx
         self.usable = usable  # blocks for requests
-        self.reserved = 0  # blocks reserved by live requests (their whole budget)
+        self.reserved = 0  # reserve_full_response: blocks reserved by live requests (their whole budget)
+        self.admitted: dict[int, int] = {}  # live request id -> admission order (preemption: newest first)
         self.forks: dict[int, list[int]] = {}  # request id -> samples to fork from it after its prefill
         self.awaiting: Optional[tuple] = None  # non-last stages: the step whose tokens are on the way
 
@@ -90,6 +97,8 @@ class PagedGenerator:
         self.keys = torch.tensor([sample_key(params.seed, s.prompt_index, s.sample_index) for s in samples],
                                  dtype=torch.int64, device=self.device)
         self.queue: deque[list[int]] = deque(_groups(samples))
+        self.reserve_full_response = kv_cache.reserve_full_response
+        self._admissions = 0
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
         self.lanes: list[_Lane] = []
@@ -100,16 +109,18 @@ class PagedGenerator:
     def _build(self, kv_cache: KVCacheConfig) -> None:
         _check_paged_attention()
         layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
+        self.layout = layout
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
         usable = usable_blocks(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve))
         lanes = self._lane_count(usable, max(self.reserve))
-        longest_prompt = max(len(s.prompt_ids) for s in self.samples)
+        # A preempted request is prefilled again from prompt + response: the step must hold the longest.
+        longest = max(lengths) if not self.reserve_full_response else max(len(s.prompt_ids) for s in self.samples)
         tp = self.forward.tp_size
         for _ in range(lanes):
             share = usable // lanes
             max_requests = min(len(self.samples), share)
-            max_tokens = max(_MAX_TOKENS_PER_STEP, longest_prompt + max_requests)
+            max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
             ctx = build_context(layout, share, _round_up(max_requests, tp), _round_up(max_tokens, tp), max(lengths))
             self.lanes.append(_Lane(ctx, share))
@@ -199,21 +210,33 @@ class PagedGenerator:
         self._apply(lane, order, rows, children, self.forward.recv_tokens(len(rows)))
 
     def _admit(self, lane: _Lane) -> None:
-        """Add waiting prompts while blocks (reserved for their whole budget), request slots and
-        the step's token limit allow; FIFO, so the order of admission is deterministic."""
+        """Add waiting requests while blocks, request slots and the step's token limit allow; FIFO
+        (preempted requests wait at the front), so the order of admission is deterministic.
+
+        A waiting group is a prompt's samples (one prefill, then forks) or one preempted sample
+        (prefilled again from its prompt + response so far). On demand, each sample admitted
+        needs the blocks of those tokens plus the next one; with ``reserve_full_response``, the
+        blocks of its whole budget, held until it finishes.
+        """
         from megatron.core.inference.inference_request import DynamicInferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
 
         ctx = lane.ctx
         pending_forks = 0
+        pending_blocks = 0  # blocks the forks of this round's prefills will take in ``_apply``
         while self.queue:
             group = self.queue[0]
             first = group[0]
-            prompt = self.samples[first].prompt_ids
-            if ctx.active_token_count + len(prompt) > ctx.max_tokens:
+            sample = self.samples[first]
+            tokens = sample.prompt_ids + sample.response_ids
+            if ctx.active_token_count + len(tokens) > ctx.max_tokens:
                 return
             slots = ctx.max_requests - ctx.total_request_count - pending_forks
-            fits = (lane.usable - lane.reserved) // self.reserve[first]
+            if self.reserve_full_response:
+                fits = (lane.usable - lane.reserved) // self.reserve[first]
+            else:
+                free = ctx.block_allocator.total_avail - pending_blocks
+                fits = free // self.layout.blocks_for(len(tokens) + 1)
             take = min(len(group), slots, fits)
             if take == 0:
                 return
@@ -222,13 +245,20 @@ class PagedGenerator:
                 self.queue[0] = rest
             else:
                 self.queue.popleft()
+            remaining = self.budgets[first] - len(sample.response_ids)
             request = DynamicInferenceRequest(
-                request_id=first, prompt_tokens=torch.tensor(prompt, dtype=torch.long, device=self.device),
-                sampling_params=MegatronSamplingParams(num_tokens_to_generate=self.budgets[first], termination_id=-1))
+                request_id=first, prompt_tokens=torch.tensor(tokens, dtype=torch.long, device=self.device),
+                sampling_params=MegatronSamplingParams(num_tokens_to_generate=remaining, termination_id=-1))
             ctx.add_request(request)
+            if sample.response_ids:
+                self.stats.recomputed_tokens += len(sample.response_ids)
+            self._admissions += 1
+            for i in admitted:
+                lane.admitted[i] = self._admissions
             lane.reserved += sum(self.reserve[i] for i in admitted)
             lane.forks[first] = admitted[1:]
             pending_forks += take - 1
+            pending_blocks += (take - 1) * self.layout.blocks_for(len(tokens))
 
     def _forward_lane(self, lane: _Lane, async_send: bool, pending: Optional[list] = None):
         """This stage's forward of one step of ``lane``. Returns the step's request order, the rows
@@ -259,12 +289,44 @@ class PagedGenerator:
         # Bookkeeping order after the forks: the step's requests, then the forked children.
         bookkeeping = order + [child for _, child in children]
         finished = self._record(lane, rows, out)
+        preempted = set() if self.reserve_full_response else self._preempt(lane, bookkeeping, finished)
         position = {rid: i for i, rid in enumerate(rows)}
         take = torch.tensor([position[rid] for rid in bookkeeping], device=self.device)
-        mask = torch.tensor([rid not in finished for rid in bookkeeping], dtype=torch.uint8, device=self.device)
+        mask = torch.tensor([rid not in finished and rid not in preempted for rid in bookkeeping],
+                            dtype=torch.uint8, device=self.device)
         ctx.update_requests(mask, out.tokens[take].clone())
         if ctx.paused_request_count:
-            raise RuntimeError(f"{ctx.paused_request_count} requests paused: the KV reservation should prevent it")
+            raise RuntimeError(f"{ctx.paused_request_count} requests paused: preemption should have made room")
+
+    def _preempt(self, lane: _Lane, bookkeeping: list[int], finished: set[int]) -> set[int]:
+        """Requests to take out of the cache before the context advances: the newest admitted,
+        until the free blocks (with those the finished requests release) hold one new block for
+        every request whose last block this step filled. Each goes back to the front of the queue
+        (the oldest of them first) with its tokens so far. ``bookkeeping``: request ids in the
+        context's index order (after the step's forks)."""
+        ctx = lane.ctx
+        live = [rid for rid in bookkeeping if rid not in finished]
+        if not live:
+            return set()
+        index = {rid: i for i, rid in enumerate(bookkeeping)}
+        blocks = ctx.request_kv_block_counts[:len(bookkeeping)].tolist()
+        full = (ctx.request_last_kv_block_offset[:len(bookkeeping)] == ctx.block_size_tokens - 1).tolist()
+        free = ctx.block_allocator.total_avail + sum(blocks[index[rid]] for rid in finished)
+        need = sum(full[index[rid]] for rid in live)
+        victims: list[int] = []
+        for rid in sorted(live, key=lambda r: (lane.admitted[r], r), reverse=True):
+            if need <= free:
+                break
+            if len(victims) == len(live) - 1:
+                raise RuntimeError("generate: the oldest request cannot grow (the budget check should prevent it)")
+            victims.append(rid)
+            free += blocks[index[rid]]
+            need -= full[index[rid]]
+        for rid in victims:  # newest first, so the oldest victim ends up first in the queue
+            del lane.admitted[rid]
+            self.queue.appendleft([rid])
+        self.stats.preemptions += len(victims)
+        return set(victims)
 
     def _sample(self, logits: Optional[torch.Tensor], rows: list[int], sources: list[int]):
         """This step's tokens for ``rows`` (the last pipeline stage only; None elsewhere)."""
@@ -295,6 +357,7 @@ class PagedGenerator:
             s.finish_reason = reason
             finished.add(rid)
             lane.reserved -= self.reserve[rid]
+            del lane.admitted[rid]
             if self.on_finished is not None:
                 self.on_finished(rid, s)
         return finished

@@ -54,10 +54,14 @@ def kv_layout(gpt: torch.nn.Module, block_size_tokens: int) -> KVLayout:
 
 
 def budget_bytes(cfg: KVCacheConfig, device: torch.device) -> int:
-    """The byte budget: ``kv_cache_bytes``, else ``kv_cache_fraction`` of free memory now."""
+    """The byte budget: ``kv_cache_bytes``, else ``kv_cache_fraction`` of free memory now (on GPU
+    after ``torch.cuda.empty_cache()``)."""
     if cfg.kv_cache_bytes is not None:
         return int(cfg.kv_cache_bytes)
     if device.type == "cuda":
+        # Blocks the caching allocator holds but no tensor uses (training's activations, freed
+        # gradients) count as free: hand them back first, then read what the device has.
+        torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = available_ram_bytes()

@@ -69,14 +69,20 @@ class KVCacheConfig:
         block_size_tokens: tokens per KV block (Megatron's default 256; flash-attn 2 paged kernels
             need a multiple of 256 on GPU, FA3 any size).
 
-    Requests that do not fit wait until finished ones release their blocks; one that can never fit
-    (its prompt plus its response budget needs more blocks than the whole budget) is refused with a
-    ValueError naming the keys. Only what the call can use is allocated (never more than the budget).
+        reserve_full_response: admit a request only with blocks for its whole response budget,
+            held until it finishes (no preemption ever; the baseline of ``benchmarks/generation.py``).
+            False (default): blocks are taken as tokens are generated, and requests are preempted
+            and recomputed when the pool runs out (``engine.py``); same tokens either way.
+
+    Requests that do not fit wait until blocks free up; one that can never fit (its prompt plus its
+    response budget needs more blocks than the whole budget) is refused with a ValueError naming
+    the keys. Only what the call can use is allocated (never more than the budget).
     """
 
     kv_cache_bytes: Optional[int] = None
     kv_cache_fraction: float = 0.5
     block_size_tokens: int = 256
+    reserve_full_response: bool = False
 
     @classmethod
     def from_rollout(cls, rollout) -> "KVCacheConfig":

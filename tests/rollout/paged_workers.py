@@ -11,10 +11,16 @@ from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_cascade.rollout import KVCacheConfig, generate
 from rollout_workers import GREEDY, PROMPTS, SAMPLED, TOKENIZER, _setup, _summary
 
-# One request (28-token prompt + 12 tokens) needs 3 blocks of 16 tokens: 4 usable blocks run one
-# or two requests at a time. Bytes per block: fp32 x (K, V) x 2 layers x 16 tokens x 2 KV heads x 16.
+# Prompts of 7, 16 and 32 tokens + 12 (greedy) or 10 (sampled) need 2, 2 and 3 blocks of 16 tokens at
+# their longest: 5 usable blocks reserve room for two requests at a time, while on demand (1, 2 and 3
+# blocks at admission) all three start. Bytes per block: fp32 x (K, V) x 2 layers x 16 tokens x 2 KV
+# heads x 16.
 BLOCK_BYTES = 4 * 2 * 2 * 16 * 2 * 16
-SMALL = KVCacheConfig(kv_cache_bytes=5 * BLOCK_BYTES, block_size_tokens=16)  # 4 usable + the dummy
+SMALL = KVCacheConfig(kv_cache_bytes=6 * BLOCK_BYTES, block_size_tokens=16)  # 5 usable + the dummy
+# Worst-case reservation at the same budget (the pre-on-demand behaviour: never a preemption).
+RESERVED = replace(SMALL, reserve_full_response=True)
+# Exactly the longest request at its longest: every other request is preempted whenever it grows.
+TINY = KVCacheConfig(kv_cache_bytes=4 * BLOCK_BYTES, block_size_tokens=16)  # 3 usable + the dummy
 
 MOE = replace(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                           vocab_size=TOKENIZER.vocab_size, ffn_hidden_size=64, max_position_embeddings=96),
@@ -31,14 +37,16 @@ def budget_worker(weights_dir: str) -> dict:
     model = _setup(ParallelConfig(), weights_dir, save=True)
     out = {}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        out[name] = _summary(generate(model, PROMPTS, params, tokenizer=TOKENIZER))
+        full = generate(model, PROMPTS, params, tokenizer=TOKENIZER)
+        out[name], out[f"{name}_stats"] = _summary(full), vars(full.stats)
         out[f"{name}_nocache"] = _summary(generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=False))
-        with mock.patch.object(paged_context.PagedContext, "fork", autospec=True,
-                               side_effect=paged_context.PagedContext.fork) as fork:
-            small = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=SMALL)
-        out[f"{name}_small"] = _summary(small)
-        out[f"{name}_small_stats"] = vars(small.stats)
-        out[f"{name}_small_forks"] = fork.call_count
+        for budget, kv_cache in (("small", SMALL), ("reserved", RESERVED), ("tiny", TINY)):
+            with mock.patch.object(paged_context.PagedContext, "fork", autospec=True,
+                                   side_effect=paged_context.PagedContext.fork) as fork:
+                small = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=kv_cache)
+            out[f"{name}_{budget}"] = _summary(small)
+            out[f"{name}_{budget}_stats"] = vars(small.stats)
+            out[f"{name}_{budget}_forks"] = fork.call_count
     out["fed_tokens"], out["fed_expected"] = _tokens_fed(model)
     out["callbacks"] = _callback_timing(model)
     empty = generate(model, [], SAMPLED, tokenizer=TOKENIZER)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_cascade.config import ModelConfig, ParallelConfig
-from megatron_cascade.rollout import SamplingParams, generate, pack_rollouts
+from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate, pack_rollouts
 from megatron_cascade.tokenizers import CharTokenizer
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=103,
@@ -171,4 +171,15 @@ def layout_worker(parallel: ParallelConfig, weights_dir: str) -> dict:
         overlapped = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, overlap_pipeline_stages=True)
         out["sampled_overlapped"] = _summary(overlapped)
         out["overlapped_steps"] = overlapped.stats.steps
+        # KV on demand under pressure, both schedules: 3 blocks of 16 tokens (the longest request
+        # alone), and 8 blocks split over two lanes (4 each); every stage must preempt alike.
+        for name, blocks, overlap in (("preempted", 3, False), ("preempted_overlapped", 8, True)):
+            kv_cache = KVCacheConfig(kv_cache_bytes=(blocks + 1) * STAGE_BLOCK_BYTES, block_size_tokens=16)
+            batch = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, kv_cache=kv_cache,
+                             overlap_pipeline_stages=overlap)
+            out[name] = dict(_summary(batch), preemptions=batch.stats.preemptions)
     return out
+
+
+# One KV block of 16 tokens on one of two pipeline stages (one layer): fp32 x (K, V) x 16 x 2 heads x 16.
+STAGE_BLOCK_BYTES = 4 * 2 * 1 * 16 * 2 * 16

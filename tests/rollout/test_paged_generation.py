@@ -20,27 +20,40 @@ def ref(tmp_path_factory):
     return run_distributed(budget_worker, 1, str(tmp_path_factory.mktemp("paged") / "w"))[0]
 
 
+@pytest.mark.parametrize("budget", ["small", "reserved", "tiny"])
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_small_kv_budget_waits_and_changes_nothing(ref, kind):
-    small, full = ref[f"{kind}_small"], ref[kind]
+def test_small_kv_budget_changes_no_token(ref, kind, budget):
+    """Under 5 or 3 blocks (the requests need 2-3 each at their longest) requests wait, and on
+    demand are preempted and prefilled again: the tokens are those of an unlimited budget."""
+    small, full = ref[f"{kind}_{budget}"], ref[kind]
     for key in ("tokens", "reasons", "index"):
         assert small[key] == full[key], key
-    for key in ("logprobs", "sampled_logprobs"):  # other batch mates: float rounding only
+    for key in ("logprobs", "sampled_logprobs"):  # other batch mates, prefill vs decode: float rounding only
         for a, b in zip(small[key], full[key], strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
     assert ref[kind]["tokens"] == ref[f"{kind}_nocache"]["tokens"]
-    stats = ref[f"{kind}_small_stats"]
-    assert stats["kv_cache_bytes"] <= SMALL.kv_cache_bytes
-    # 4 blocks of 16 tokens: never all requests at once (each needs 2 or 3 blocks).
-    assert stats["peak_requests"] == 2 < len(ref[kind]["tokens"])
+    assert ref[f"{kind}_{budget}_stats"]["kv_cache_bytes"] <= SMALL.kv_cache_bytes
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_kv_on_demand_runs_more_requests_and_preempts(ref, kind):
+    """Worst-case reservation fits 2 requests in 5 blocks and never preempts; on demand more start
+    at once (1-3 blocks each at admission) and the newest are preempted as they grow; with 3
+    blocks (the longest request alone) too, and the tokens prefilled again are counted."""
+    reserved, small, tiny = (ref[f"{kind}_{b}_stats"] for b in ("reserved", "small", "tiny"))
+    assert reserved["peak_requests"] == 2 and reserved["preemptions"] == 0
+    assert small["peak_requests"] > reserved["peak_requests"]
+    assert small["preemptions"] > 0 and small["recomputed_tokens"] > 0
+    assert tiny["preemptions"] > 0 and tiny["peak_requests"] <= small["peak_requests"]
+    assert ref[f"{kind}_stats"]["preemptions"] == 0  # an unlimited budget never preempts
 
 
 def test_samples_of_a_prompt_share_its_prefill(ref):
     assert ref["fed_tokens"] == ref["fed_expected"]
-    # Under the small budget a prompt's 3 samples (2 blocks each) do not fit at once: forks only
+    # Under the reserved budget a prompt's 3 samples (2 blocks each) do not fit at once: forks only
     # for the samples admitted together, the others prefill again later.
-    assert 0 < ref["sampled_small_forks"] < len(PROMPTS) * (SAMPLED.n - 1)
-    assert ref["greedy_small_forks"] == 0
+    assert 0 < ref["sampled_reserved_forks"] < len(PROMPTS) * (SAMPLED.n - 1)
+    assert ref["greedy_reserved_forks"] == 0
 
 
 def test_on_finished_fires_while_others_decode(ref):

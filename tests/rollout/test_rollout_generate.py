@@ -152,3 +152,8 @@ def test_layout_matches_single_process(ref, weights_dir, tag, parallel):
         assert got["tokens"] == ref["sampled"]["tokens"]
         _close(got["logprobs"], ref["sampled"]["logprobs"])
         assert ranks[0]["overlapped_steps"] > SAMPLED.max_new_tokens
+        for name in ("preempted", "preempted_overlapped"):  # KV on demand: preempted, same tokens
+            got = ranks[0][name]
+            assert got["tokens"] == ref["sampled"]["tokens"], name
+            _close(got["logprobs"], ref["sampled"]["logprobs"])
+            assert got["preemptions"] > 0, name
