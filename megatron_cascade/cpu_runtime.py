@@ -156,22 +156,18 @@ _TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.
 
 
 def _stub_triton_tensor_ops() -> None:
-    """``mamba_mixer`` imports Megatron's Triton tensor ops at module level (``import triton``), but
-    only its dynamic-batching inference path calls them: a stand-in module that refuses the call
-    lets the mixer import. Hybrid models generate through the static path on CPU (``rollout/``)."""
+    """``mamba_mixer`` imports Megatron's Triton tensor ops at module level (``import triton``): without
+    Triton, a stand-in module with the torch versions (``rollout/cpu_paged_mamba.py``) lets it import."""
     try:
         importlib.import_module(_TRITON_TENSOR_OPS)
         return
     except ImportError:
         pass
-
-    def unavailable(*args, **kwargs):
-        raise NotImplementedError("Mamba layers under Megatron's dynamic (paged) inference context need "
-                                  "Triton; on CPU hybrid models generate through the static KV-cache path")
+    from megatron_cascade.rollout.cpu_paged_mamba import TENSOR_OPS
 
     module = types.ModuleType(_TRITON_TENSOR_OPS)
-    for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
-        setattr(module, name, unavailable)
+    for name, fn in TENSOR_OPS.items():
+        setattr(module, name, fn)
     sys.modules[_TRITON_TENSOR_OPS] = module
 
 
@@ -220,8 +216,9 @@ def _patch_mamba() -> None:
       mixer refuses to start without ``mamba_ssm`` (``HAVE_MAMBA_SSM``) and its norm class
       subclasses a ``MagicMock``. The torch references of ``ops/mamba_reference.py`` take their
       place (same arguments, autograd backward); decoding already has torch fallbacks in the mixer.
-    * Packed sequences in training: the mixer asks for ``causal_conv1d`` / ``mamba_ssm`` versions;
-      the references take ``seq_idx``, so training packing is allowed (inference keeps the check).
+    * Packed sequences (training) and the paged engine (generation): the mixer asks for
+      ``causal_conv1d`` / ``mamba_ssm`` versions and calls their decode, varlen-state and Triton
+      tensor-op kernels; ``rollout/cpu_paged_mamba.py`` installs torch versions of all of them.
     * ``MambaStack`` builds its final norm with ``TENorm`` unconditionally: a local norm instead
       (``SequenceParallelNorm``: marks its weight for the SP gradient all-reduce).
     """
@@ -240,14 +237,9 @@ def _patch_mamba() -> None:
     mamba_mixer.mamba_chunk_scan_combined = mamba_reference.mamba_chunk_scan_combined
     mamba_mixer.mamba_split_conv1d_scan_combined = mamba_reference.mamba_split_conv1d_scan_combined
     mamba_mixer.HAVE_MAMBA_SSM = True
-    check_packing = mamba_mixer._check_mamba_sequence_packing_support
+    from megatron_cascade.rollout import cpu_paged_mamba
 
-    def packing_support(for_inference_not_training: bool = True):
-        if not for_inference_not_training:
-            return True, None  # the torch scan and conv honour seq_idx
-        return check_packing(for_inference_not_training)
-
-    mamba_mixer._check_mamba_sequence_packing_support = packing_support
+    cpu_paged_mamba.install()
 
 
 @contextlib.contextmanager

@@ -65,6 +65,9 @@ class RolloutConfig:
     kv_cache_bytes: Optional[int] = ranged(None, gt=0, why="or null: rollout.kv_cache_fraction of the free memory")
     kv_cache_fraction: float = ranged(0.5, gt=0, le=1)
     kv_block_size_tokens: int = ranged(256, ge=1)  # flash-attn 2 paged kernels (GPU) need a multiple of 256
+    # Expected response length / max_new_tokens: sizes a hybrid model's Mamba state slots in generation
+    # and the dry run's samples decoding at once (KV is taken on demand, so the mean length, not the cap).
+    expected_response_fraction: float = ranged(0.5, gt=0, le=1)
 
     def validate(self, prefix: str = "rollout.") -> None:
         """Rules between the rollout fields (``ConfigError`` naming the keys)."""

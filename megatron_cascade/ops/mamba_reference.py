@@ -225,6 +225,95 @@ def mamba_split_conv1d_scan_combined(zxbcdt: torch.Tensor, conv1d_weight: torch.
     return out.reshape(b, l, dim)
 
 
+def causal_conv1d_varlen_states(x: torch.Tensor, cu_seqlens: torch.Tensor, state_len: int) -> torch.Tensor:
+    """``causal_conv1d.causal_conv1d_varlen.causal_conv1d_varlen_states`` in torch: each packed
+    sequence's conv state after its prefill, its last ``state_len`` inputs (zeros before its start).
+
+    Args:
+        x: [total_tokens, d] packed inputs; cu_seqlens: [num_seqs + 1] token offsets.
+
+    Returns:
+        [num_seqs, d, state_len], x's dtype.
+    """
+    bounds = cu_seqlens.tolist()
+    out = x.new_zeros(len(bounds) - 1, x.shape[1], state_len)
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        n = min(state_len, end - start)
+        if n > 0:
+            out[i, :, state_len - n:] = x[end - n:end].transpose(0, 1)
+    return out
+
+
+def _state_rows(state: torch.Tensor, batch: int, indices: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows of a per-request state buffer [N, ...] that a decode step of ``batch`` rows updates
+    (``indices`` [batch], -1 = a padding row that updates nothing; None = rows 0..batch-1)."""
+    if indices is None:
+        return torch.arange(batch, device=state.device)
+    return indices.long()
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+                         conv_state_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``causal_conv1d.causal_conv1d_update`` in torch: one decode step of the depthwise conv.
+
+    The state window shifts left by one and takes ``x`` as its newest column (in place, in the
+    rows ``conv_state_indices`` name); the output is the window times the weight.
+
+    Args:
+        x: [b, d]; conv_state: [N, d, w] (N >= b; updated in place); weight: [d, w]; bias: [d];
+        conv_state_indices: [b] state row of each batch row (-1: padding, left alone).
+
+    Returns:
+        [b, d], x's dtype.
+    """
+    rows = _state_rows(conv_state, x.shape[0], conv_state_indices)
+    real = rows >= 0
+    window = torch.cat([conv_state[rows.clamp(min=0), :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+    conv_state[rows[real]] = window[real]
+    out = (window * weight.unsqueeze(0)).sum(-1)
+    if bias is not None:
+        out = out + bias
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"activation {activation!r} is not supported (None, silu or swish)")
+    return out.to(x.dtype)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor] = None,
+                           z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                           dt_softplus: bool = False,
+                           state_batch_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``mamba_ssm.ops.triton.selective_state_update.selective_state_update`` in torch: one token
+    of the recurrence above, for every batch row, in float32.
+
+    Args:
+        state: [N, h, p, n] (updated in place in the rows ``state_batch_indices`` name, -1 = padding);
+        x, dt: [b, h, p]; A: [h, p, n]; B, C: [b, g, n] (g groups shared by h / g heads each);
+        D, dt_bias: [h, p]; z: [b, h, p] gate (``y * silu(z)``).
+
+    Returns:
+        y [b, h, p] in x's dtype.
+    """
+    rows = _state_rows(state, x.shape[0], state_batch_indices)
+    real = rows >= 0
+    h = x.shape[1]
+    dt = _discretize_dt(dt, dt_bias, dt_softplus, (0.0, float("inf")))
+    Bh = _expand_groups(B.unsqueeze(1), h).squeeze(1).float()  # [b, h, n]
+    Ch = _expand_groups(C.unsqueeze(1), h).squeeze(1).float()
+    prev = state[rows.clamp(min=0)].float()
+    new = torch.exp(dt.unsqueeze(-1) * A.float()) * prev + (dt * x.float()).unsqueeze(-1) * Bh.unsqueeze(2)
+    state[rows[real]] = new[real].to(state.dtype)
+    y = (new * Ch.unsqueeze(2)).sum(-1)
+    if D is not None:
+        y = y + x.float() * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)
+
+
 class GatedRMSNorm(torch.nn.Module):
     """``mamba_ssm``'s ``RMSNormGated`` (norm_before_gate=False) in torch: ``rmsnorm(x * silu(z)) * weight``,
     the RMS taken over groups of ``group_size`` channels (Mamba-2 normalises each B/C group alone).

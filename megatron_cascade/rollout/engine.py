@@ -34,6 +34,7 @@ work on different lanes at once (``_run_pipelined``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable, Optional
 
@@ -42,9 +43,9 @@ import torch.distributed as dist
 
 from megatron_cascade.rollout.batch import GenerationStats, RolloutSample
 from megatron_cascade.rollout.comm import share_step
-from megatron_cascade.rollout.kv_budget import kv_layout, usable_blocks
+from megatron_cascade.rollout.kv_budget import cache_capacity, kv_layout
 from megatron_cascade.rollout.noise import gumbel_noise, sample_key
-from megatron_cascade.rollout.paged_context import PagedContext, build_context
+from megatron_cascade.rollout.paged_context import PagedContext, build_context, cache_bytes
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.sampling import sample
 from megatron_cascade.rollout.stage_forward import StageForward
@@ -112,19 +113,24 @@ class PagedGenerator:
         self.layout = layout
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
-        usable = usable_blocks(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve))
+        expected = [len(s.prompt_ids) + kv_cache.expected_response_fraction * b for s, b in zip(self.samples, self.budgets)]
+        capacity = cache_capacity(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve),
+                                  requests=len(self.samples),
+                                  expected_blocks=layout.blocks_for(math.ceil(sum(expected) / len(expected))))
+        usable = capacity.blocks
         lanes = self._lane_count(usable, max(self.reserve))
         # A preempted request is prefilled again from prompt + response: the step must hold the longest.
         longest = max(lengths) if not self.reserve_full_response else max(len(s.prompt_ids) for s in self.samples)
         tp = self.forward.tp_size
         for _ in range(lanes):
             share = usable // lanes
-            max_requests = min(len(self.samples), share)
+            max_requests = min(len(self.samples), share, max(1, capacity.slots // lanes))
             max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
-            ctx = build_context(layout, share, _round_up(max_requests, tp), _round_up(max_tokens, tp), max(lengths))
+            ctx = build_context(self.forward.gpt, layout, share, _round_up(max_requests, tp), _round_up(max_tokens, tp),
+                                max(lengths))
             self.lanes.append(_Lane(ctx, share))
-            self.stats.kv_cache_bytes += ctx.memory_buffer.numel() * ctx.memory_buffer.element_size()
+            self.stats.kv_cache_bytes += cache_bytes(ctx)
 
     def _lane_count(self, usable: int, largest: int) -> int:
         """One lane per pipeline stage when overlap is asked for and possible: PP > 1, at least two

@@ -10,7 +10,7 @@ import torch
 from megatron_cascade.rollout.batch import RolloutBatch, RolloutSample
 from megatron_cascade.rollout.engine import PagedGenerator
 from megatron_cascade.rollout.kv_budget import static_batch_rows
-from megatron_cascade.rollout.model_runner import is_hybrid, unwrap_model
+from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.stage_forward import sequence_parallel_off
 from megatron_cascade.rollout.static import MAX_PREFILL_TOKENS, generate_static
@@ -29,6 +29,7 @@ def generate(
     kv_cache: Optional[KVCacheConfig] = None,
     on_finished: Optional[Callable[[int, RolloutSample], None]] = None,
     overlap_pipeline_stages: bool = False,
+    static_batches: bool = False,
 ) -> RolloutBatch:
     """Sample ``params.n`` responses for each prompt; collective over the model-parallel group
     (and over the expert-parallel group: see below).
@@ -49,14 +50,12 @@ def generate(
             fills the static path's padding.
         max_sequence_length: prompt + response limit in tokens; default the model's
             ``max_sequence_length`` (``model.max_position_embeddings``).
-        use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``); for a
-            hybrid (Mamba) model, static batches over Megatron's static context, which also caches
-            the Mamba states (``static.py``): as many rows per batch as ``kv_cache``'s budget holds
-            and a prefill of at most ``MAX_PREFILL_TOKENS`` prompt tokens allows
-            (``overlap_pipeline_stages`` is refused). False: the static batch recomputing the
-            whole prefix every token (the reference).
+        use_kv_cache: True: continuous batching over Megatron's paged KV cache (``engine.py``; a
+            hybrid (Mamba) model's requests also hold a slot of conv and SSM states each). False:
+            the static batch recomputing the whole prefix every token (the reference).
         kv_cache: the paged cache's memory budget and block size (default ``KVCacheConfig()``:
-            half the free memory); requests that do not fit wait, one that never can is refused.
+            half the free memory); blocks are taken on demand, requests that do not fit wait (or
+            are preempted and recomputed), one that never can is refused.
         on_finished: called as ``on_finished(sample_index, sample)`` on every rank the moment a
             sample finishes, while the others decode on (``sample_index`` indexes the returned
             batch); e.g. to start scoring it.
@@ -65,6 +64,12 @@ def generate(
             (``engine._run_pipelined``). Same tokens either way. Off by default: on the shared
             2-core CPU machine it was slower (twice the steps of half the rows, no spare core to
             overlap on); meant for GPUs, where each stage has its own device, to be measured there.
+        static_batches: with ``use_kv_cache``, static batches over Megatron's static context
+            instead of the paged engine (``static.py``; every row of a batch decodes until its longest
+            finishes; the Mamba states cached alongside): as many rows per batch as ``kv_cache``'s
+            budget holds at the longest row and a prefill of at most ``MAX_PREFILL_TOKENS`` prompt
+            tokens allows. The reference the paged engine is tested against, and the benchmarks'
+            baseline.
 
     Sampling noise is a hash of (``params.seed``, prompt index, sample index, position), so a
     response does not depend on the batch it ran in, the KV budget or the TP/PP layout (up to the
@@ -76,17 +81,16 @@ def generate(
         ``RolloutBatch`` with ``len(prompts) * params.n`` samples, prompt-major.
     """
     gpt = _check_model(model)
-    if use_kv_cache and overlap_pipeline_stages and is_hybrid(model):
-        raise ValueError("overlap_pipeline_stages splits the paged engine's requests over KV lanes; a hybrid "
-                         "(Mamba) model generates through the static context, which has no lanes")
+    if use_kv_cache and static_batches and overlap_pipeline_stages:
+        raise ValueError("overlap_pipeline_stages splits the paged engine's requests over KV lanes; "
+                         "static_batches has no lanes")
     limit = max_sequence_length or gpt.max_sequence_length
     samples = [RolloutSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt))
                for p, prompt in enumerate(prompts) for k in range(params.n)]
     budgets = _budgets(samples, params.max_new_tokens, limit)
     stats = None
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
-        if use_kv_cache and is_hybrid(model):
-            # The paged engine keeps no SSM state; the static context does (model_runner.py).
+        if use_kv_cache and static_batches:
             rows = _static_rows(gpt, samples, budgets, kv_cache or KVCacheConfig())
             generate_static(model, samples, params, tokenizer=tokenizer, limit=limit, use_kv_cache=True,
                             on_finished=on_finished, max_rows=rows)

@@ -14,7 +14,7 @@ from megatron_cascade.rollout.params import KVCacheConfig
 
 @dataclass(frozen=True)
 class KVLayout:
-    """This rank's share of the KV cache.
+    """This rank's share of the paged generation cache.
 
     Attributes:
         layers: attention layers on this pipeline stage.
@@ -22,6 +22,8 @@ class KVLayout:
         head_dim: channels per head.
         dtype: the cache dtype (the model's ``params_dtype``).
         block_size_tokens: tokens per block.
+        state_bytes: per request, the conv and SSM states of this stage's Mamba layers (hybrid
+            models; 0 for GPT models): a fixed-size slot whatever the request's length.
     """
 
     layers: int
@@ -29,10 +31,11 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     block_size_tokens: int
+    state_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: keys and values of ``block_size_tokens`` tokens in every layer."""
+        """Bytes of one block: keys and values of ``block_size_tokens`` tokens in every attention layer."""
         return self.dtype.itemsize * 2 * self.layers * self.block_size_tokens * self.kv_heads * self.head_dim
 
     def blocks_for(self, tokens: int) -> int:
@@ -40,8 +43,21 @@ class KVLayout:
         return math.ceil(tokens / self.block_size_tokens)
 
 
+@dataclass(frozen=True)
+class CacheCapacity:
+    """What one ``generate`` call allocates on this rank (agreed on by the model-parallel group).
+
+    Attributes:
+        blocks: KV blocks for requests (the context adds one dummy block).
+        slots: request slots; each holds a Mamba state (hybrid models) and at least one block.
+    """
+
+    blocks: int
+    slots: int
+
+
 def kv_layout(gpt: torch.nn.Module, block_size_tokens: int) -> KVLayout:
-    """The KV layout of this rank's ``GPTModel`` stage."""
+    """The generation-cache layout of this rank's ``GPTModel`` / ``MambaModel`` stage."""
     from megatron.core import parallel_state as ps
 
     cfg = gpt.config
@@ -49,8 +65,24 @@ def kv_layout(gpt: torch.nn.Module, block_size_tokens: int) -> KVLayout:
     groups = cfg.num_query_groups or cfg.num_attention_heads
     if groups % tp:
         raise ValueError(f"model.num_query_groups={groups} is not divisible by tensor parallel size {tp}")
-    return KVLayout(layers=len(gpt.decoder.layers), kv_heads=groups // tp, head_dim=cfg.kv_channels,
-                    dtype=cfg.params_dtype, block_size_tokens=block_size_tokens)
+    attention, states = _stage_layers(gpt)
+    state_elements = sum(math.prod(conv) + math.prod(ssm) for conv, ssm in states)
+    return KVLayout(layers=attention, kv_heads=groups // tp, head_dim=cfg.kv_channels, dtype=cfg.params_dtype,
+                    block_size_tokens=block_size_tokens, state_bytes=state_elements * cfg.params_dtype.itemsize)
+
+
+def _stage_layers(gpt: torch.nn.Module) -> tuple[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """This stage's attention layer count and each Mamba layer's (conv, SSM) state shape per request."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.attention import Attention
+
+    attention, states = 0, []
+    for layer in gpt.decoder.layers:
+        if isinstance(layer, MambaLayer):
+            states.append(layer.mamba_state_shapes_per_request())
+        elif isinstance(getattr(layer, "self_attention", None), Attention):  # not the MLP / MoE-only layers
+            attention += 1
+    return attention, states
 
 
 def budget_bytes(cfg: KVCacheConfig, device: torch.device) -> int:
@@ -80,55 +112,52 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def usable_blocks(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, needed: int, largest: int) -> int:
-    """Blocks to allocate for requests (the context adds one dummy block): the budget's, at most
-    ``needed`` (what every request of the call needs at once), agreed on by every rank of the
-    model-parallel group (TP ranks and PP stages must admit the same requests).
+def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, *, needed: int, largest: int,
+                   requests: int, expected_blocks: int) -> CacheCapacity:
+    """Blocks and request slots to allocate: what the budget buys, at most what the call can use,
+    agreed on (MIN) by every rank of the model-parallel group (TP ranks and PP stages must admit
+    the same requests).
+
+    GPT models: every block the budget buys (at most ``needed``), a slot per request. Hybrid models
+    also hold a Mamba state per slot: as many slots as requests of ``expected_blocks`` blocks each
+    (with their states) fit, at most ``requests``; the rest of the budget is blocks.
 
     Args:
         needed: blocks all requests of the call would occupy at their longest.
         largest: blocks of the longest single request.
+        requests: samples in the call.
+        expected_blocks: blocks of a request at its expected length (sizes the hybrid slots).
 
     Raises:
-        ValueError: the budget cannot hold ``largest`` blocks (that request could never run).
+        ValueError: the budget cannot hold ``largest`` blocks and one slot (that request could never run).
     """
     from megatron.core import parallel_state as ps
 
+    budget = budget_bytes(cfg, device)
+    slots = requests
+    if layout.state_bytes:
+        slots = max(1, min(requests, budget // (layout.state_bytes + expected_blocks * layout.block_bytes)))
     # One block is Megatron's dummy block (padding tokens write there).
-    affordable = budget_bytes(cfg, device) // layout.block_bytes - 1
-    count = torch.tensor([min(affordable, needed)], dtype=torch.int64, device=device)
+    affordable = (budget - slots * layout.state_bytes) // layout.block_bytes - 1
+    agreed = torch.tensor([min(affordable, needed), slots], dtype=torch.int64, device=device)
     if dist.is_initialized() and ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
-    blocks = int(count.item())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
+    blocks, slots = (int(v) for v in agreed.tolist())
     if blocks < largest:
+        state = f" and {layout.state_bytes} bytes of Mamba state per request" if layout.state_bytes else ""
         raise ValueError(
             f"the KV cache budget holds {max(blocks, 0)} blocks of {layout.block_size_tokens} tokens "
-            f"({layout.block_bytes} bytes each on this rank), but one request (prompt + max_new_tokens) needs "
-            f"{largest}: raise rollout.kv_cache_bytes (or rollout.kv_cache_fraction), or lower "
+            f"({layout.block_bytes} bytes each on this rank{state}), but one request (prompt + max_new_tokens) "
+            f"needs {largest}: raise rollout.kv_cache_bytes (or rollout.kv_cache_fraction), or lower "
             f"rollout.max_new_tokens / the prompt length")
-    return blocks
+    return CacheCapacity(blocks=blocks, slots=min(slots, blocks))
 
 
 def static_row_bytes(gpt: torch.nn.Module, row_tokens: int) -> int:
-    """Bytes one row of a static generation batch holds on this rank (hybrid models,
-    ``rollout/static.py``): the K/V of ``row_tokens`` positions in each attention layer of this
+    """Bytes one row of a static generation batch holds on this rank (``rollout/static.py``): the K/V of ``row_tokens`` positions in each attention layer of this
     stage (its TP share of the KV heads) plus each Mamba layer's conv and SSM state."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.ssm.mamba_layer import MambaLayer
-    from megatron.core.transformer.attention import Attention
-
-    cfg = gpt.config
-    itemsize = cfg.params_dtype.itemsize
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    kv_heads = max(groups // ps.get_tensor_model_parallel_world_size(), 1)
-    total = 0
-    for layer in gpt.decoder.layers:
-        if isinstance(layer, MambaLayer):
-            conv, ssm = layer.mamba_state_shapes_per_request()
-            total += (math.prod(conv) + math.prod(ssm)) * itemsize
-        elif isinstance(getattr(layer, "self_attention", None), Attention):  # not the MLP / MoE-only layers
-            total += 2 * row_tokens * kv_heads * cfg.kv_channels * itemsize
-    return total
+    layout = kv_layout(gpt, block_size_tokens=1)
+    return layout.block_bytes * row_tokens + layout.state_bytes
 
 
 def static_batch_rows(gpt: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, row_tokens: int) -> int:

@@ -10,6 +10,7 @@ adds requests (``add_request``), runs forwards on ``current_input_and_position_i
 
 from __future__ import annotations
 
+import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
 from megatron_cascade.rollout.kv_budget import KVLayout
@@ -30,7 +31,8 @@ class PagedContext(DynamicInferenceContext):
     def fork(self, parent_index: int, child_request_id: int) -> None:
         """Append a copy of the request at bookkeeping index ``parent_index`` (a prompt just
         prefilled in this step, before ``update_requests``) under ``child_request_id``: new blocks
-        holding a copy of its KV, the same lengths and sampling metadata.
+        holding a copy of its KV (and a state slot holding a copy of its Mamba states), the same
+        lengths and sampling metadata.
 
         ``update_requests`` then advances the copy exactly like its parent, so the copy decodes
         from the parent's prompt without a prefill of its own.
@@ -52,6 +54,14 @@ class PagedContext(DynamicInferenceContext):
         self.request_to_kv_block_ids[child] = -1
         self.request_to_kv_block_ids[child, :count] = blocks
         self.request_last_kv_block_id[child] = blocks[-1]
+        if self.is_hybrid_model:  # the prompt's conv and SSM states, after its prefill
+            slot = self.mamba_metadata.allocate_slot()
+            if slot is None:
+                raise RuntimeError("fork: no free Mamba state slot (max_requests should prevent this)")
+            parent_slot = self.mamba_metadata.request_to_mamba_state_idx[parent_index].long()
+            self.mamba_conv_states[:, slot] = self.mamba_conv_states[:, parent_slot]
+            self.mamba_ssm_states[:, slot] = self.mamba_ssm_states[:, parent_slot]
+            self.mamba_metadata.request_to_mamba_state_idx[child] = slot
         self.total_request_count += 1
 
     def active_request_ids(self) -> list[int]:
@@ -59,16 +69,20 @@ class PagedContext(DynamicInferenceContext):
         return self.request_ids[self.paused_request_count:self.total_request_count].tolist()
 
 
-def build_context(layout: KVLayout, blocks: int, max_requests: int, max_tokens: int,
+def build_context(gpt: torch.nn.Module, layout: KVLayout, blocks: int, max_requests: int, max_tokens: int,
                   max_sequence_length: int) -> PagedContext:
-    """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block).
+    """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block) and
+    ``max_requests`` request slots, for this rank's stage ``gpt`` (a hybrid model's slots also hold
+    each Mamba layer's conv and SSM state: Megatron's ``MambaInferenceStateConfig``).
 
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
     """
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_mamba_inference_state_config_from_model
 
-    buffer_bytes = (blocks + 1.5) * layout.block_bytes  # the half block guards float rounding
+    # Megatron sizes the pool as buffer // (block + one request's Mamba state); the half guards rounding.
+    buffer_bytes = (blocks + 1.5) * (layout.block_bytes + layout.state_bytes)
     ctx = PagedContext(
         params_dtype=layout.dtype,
         num_layers=layout.layers,
@@ -80,9 +94,16 @@ def build_context(layout: KVLayout, blocks: int, max_requests: int, max_tokens: 
         max_tokens=max_tokens,
         block_size_tokens=layout.block_size_tokens,
         materialize_only_last_token_logits=True,
+        mamba_inference_state_config=get_mamba_inference_state_config_from_model(gpt) if layout.state_bytes else None,
         use_cuda_graphs_for_non_decode_steps=False,
         unified_memory_level=0,
     )
     if ctx.block_allocator.total_count != blocks + 1:
         raise RuntimeError(f"context has {ctx.block_allocator.total_count} blocks, wanted {blocks + 1}")
     return ctx
+
+
+def cache_bytes(ctx: PagedContext) -> int:
+    """Bytes the context's KV blocks (dummy included) and Mamba state slots hold."""
+    buffers = [ctx.memory_buffer] + ([ctx.mamba_conv_states, ctx.mamba_ssm_states] if ctx.is_hybrid_model else [])
+    return sum(t.numel() * t.element_size() for t in buffers)

@@ -69,6 +69,9 @@ class KVCacheConfig:
         block_size_tokens: tokens per KV block (Megatron's default 256; flash-attn 2 paged kernels
             need a multiple of 256 on GPU, FA3 any size).
 
+        expected_response_fraction: the expected response length as a fraction of the response
+            budget: sizes a hybrid model's request slots (each holds a Mamba state), as many as
+            requests of that length fit beside their KV blocks.
         reserve_full_response: admit a request only with blocks for its whole response budget,
             held until it finishes (no preemption ever; the baseline of ``benchmarks/generation.py``).
             False (default): blocks are taken as tokens are generated, and requests are preempted
@@ -82,18 +85,22 @@ class KVCacheConfig:
     kv_cache_bytes: Optional[int] = None
     kv_cache_fraction: float = 0.5
     block_size_tokens: int = 256
+    expected_response_fraction: float = 0.5
     reserve_full_response: bool = False
 
     @classmethod
     def from_rollout(cls, rollout) -> "KVCacheConfig":
         """From a ``RolloutConfig`` (``rollout.kv_cache_bytes / kv_cache_fraction / kv_block_size_tokens``)."""
         return cls(kv_cache_bytes=rollout.kv_cache_bytes, kv_cache_fraction=rollout.kv_cache_fraction,
-                   block_size_tokens=rollout.kv_block_size_tokens)
+                   block_size_tokens=rollout.kv_block_size_tokens,
+                   expected_response_fraction=rollout.expected_response_fraction)
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"rollout.kv_cache_bytes={self.kv_cache_bytes} must be > 0 (or null)")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"rollout.kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]")
+        if not 0.0 < self.expected_response_fraction <= 1.0:
+            raise ValueError(f"rollout.expected_response_fraction={self.expected_response_fraction} must be in (0, 1]")
         if self.block_size_tokens < 1:
             raise ValueError(f"rollout.kv_block_size_tokens={self.block_size_tokens} must be >= 1")

@@ -9,8 +9,11 @@ import torch.nn.functional as F
 from megatron_cascade.ops.mamba_reference import (
     GatedRMSNorm,
     causal_conv1d,
+    causal_conv1d_update,
+    causal_conv1d_varlen_states,
     mamba_chunk_scan_combined,
     mamba_split_conv1d_scan_combined,
+    selective_state_update,
 )
 
 
@@ -143,3 +146,49 @@ def test_gated_rmsnorm_normalises_each_group():
     gated = (x * F.silu(z)).double()
     ref = torch.cat([gx * torch.rsqrt(gx.pow(2).mean(-1, keepdim=True) + 1e-5) for gx in gated.split(4, -1)], -1)
     assert torch.allclose(norm(x, z).double(), ref * torch.arange(8.0).double(), atol=1e-5)
+
+
+def test_decode_kernels_step_the_naive_recurrence_in_state_slots():
+    """Paged decoding: the state of each batch row lives in a slot of a larger buffer (slots 3 and
+    0 of 4; a -1 row is padding and must touch nothing). Stepping ``causal_conv1d_update`` and
+    ``selective_state_update`` token by token gives the float64 conv and recurrence (the SSM step
+    computes in float32, as mamba_ssm's kernel)."""
+    inp = _inputs(b=2, l=6)
+    h, p, n = 4, 3, 5
+    d, w = 7, 4
+    gen = torch.Generator().manual_seed(1)
+    xc, weight, bias = torch.randn(2, d, 6, generator=gen), torch.randn(d, w, generator=gen), torch.randn(d, generator=gen)
+    conv_ref = naive_conv(xc, weight, bias)
+    y_ref, state_ref = naive_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], z=inp["z"],
+                                  dt_bias=inp["dt_bias"])
+    conv_state = torch.full((4, d, w), 0.0, dtype=torch.float64)
+    ssm_state = torch.zeros(4, h, p, n, dtype=torch.float64)
+    untouched = torch.randn(4, h, p, n, dtype=torch.float64, generator=gen)
+    ssm_state[1:3] = untouched[1:3]
+    conv_state[1:3] = 7.0
+    slots = torch.tensor([3, 0, -1])  # the third row is padding
+    pad = lambda t: torch.cat([t, t[:1]])  # noqa: E731
+    for t in range(6):
+        conv_out = causal_conv1d_update(pad(xc[:, :, t].double()), conv_state, weight.double(), bias.double(),
+                                        "silu", conv_state_indices=slots)
+        torch.testing.assert_close(conv_out[:2], conv_ref[:, :, t], rtol=1e-10, atol=1e-10)
+        y = selective_state_update(
+            ssm_state, pad(inp["x"][:, t].double()), pad(inp["dt"][:, t].double()).unsqueeze(-1).expand(-1, h, p),
+            inp["A"].double().view(h, 1, 1).expand(h, p, n), pad(inp["B"][:, t].double()),
+            pad(inp["C"][:, t].double()), D=inp["D"].double().view(h, 1).expand(h, p),
+            z=pad(inp["z"][:, t].double()), dt_bias=inp["dt_bias"].double().view(h, 1).expand(h, p),
+            dt_softplus=True, state_batch_indices=slots)
+        torch.testing.assert_close(y[:2], y_ref[:, t], rtol=1e-5, atol=1e-5)  # float32 math, as the kernel's
+    torch.testing.assert_close(ssm_state[[3, 0]], state_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ssm_state[1:3], untouched[1:3]) and torch.equal(conv_state[1:3], torch.full((2, d, w), 7.0,
+                                                                                                   dtype=torch.float64))
+
+
+def test_conv_varlen_states_are_each_sequences_last_inputs():
+    """After a packed prefill, each sequence's conv window: its last ``w`` inputs, zeros before its start."""
+    x = torch.arange(2 * 9, dtype=torch.float64).view(9, 2)  # 9 tokens of 2 channels: sequences of 5, 1, 3
+    states = causal_conv1d_varlen_states(x, torch.tensor([0, 5, 6, 9]), state_len=4)
+    assert states.shape == (3, 2, 4)
+    torch.testing.assert_close(states[0], x[1:5].T)
+    torch.testing.assert_close(states[1], torch.cat([torch.zeros(2, 3, dtype=torch.float64), x[5:6].T], dim=1))
+    torch.testing.assert_close(states[2], torch.cat([torch.zeros(2, 1, dtype=torch.float64), x[6:9].T], dim=1))

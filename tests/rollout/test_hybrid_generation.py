@@ -1,12 +1,13 @@
 """Generation from a hybrid Mamba-2 / attention / MoE model with cached SSM state.
 
-``generate(use_kv_cache=True)`` runs a hybrid model through Megatron's static inference context,
-which holds the attention K/V and each Mamba layer's conv and SSM state; the prefill writes them and
-every decode step advances them one token. The reference is ``use_kv_cache=False``: the whole prefix
-recomputed for every token (the training-path scan, no state), and a teacher-forced forward of each
-prompt + response alone (no padding). Prompts of three lengths, left-padded into one batch: the
-padding must reach neither attention (masked) nor the Mamba conv/SSM states (``mamba_padding.py``);
-n = 2 samples per prompt.
+``generate(use_kv_cache=True)`` runs a hybrid model through Megatron's paged engine: continuous
+batching, each request with its KV blocks and a slot of conv and SSM states (prefill writes them
+through the varlen kernels, each decode step advances them one token; a prompt's samples fork its
+slot). ``static_batches=True`` runs Megatron's static context instead, the attention K/V and the
+states of a left-padded batch: the padding must reach neither attention (masked) nor the Mamba
+conv/SSM states (``mamba_padding.py``). The reference of both is ``use_kv_cache=False``: the whole
+prefix recomputed for every token (the training-path scan, no state), and a teacher-forced forward
+of each prompt + response alone. Prompts of four lengths, n = 2 samples per prompt.
 """
 
 from __future__ import annotations
@@ -65,14 +66,32 @@ def _single_worker(weights_dir):
     model = _model(ParallelConfig(), weights_dir, True)
     result = {}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        cached = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=True)
+        paged = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=True)
+        static = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=True, static_batches=True)
         recomputed = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=False)
-        result[name] = dict(cached=_tokens(cached), recomputed=_tokens(recomputed),
-                            logprobs=[s.response_logprobs for s in cached],
-                            recomputed_logprobs=[s.response_logprobs for s in recomputed],
-                            forced=_teacher_forced_logprobs(model, cached))
+        # Two requests at most at once in the blocks of the longest: preempted (state slot freed,
+        # prefilled again from prompt + response) as they grow.
+        tight = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=_tight_budget(model))
+        result[name] = dict(paged=_tokens(paged), static=_tokens(static), recomputed=_tokens(recomputed),
+                            tight=_tokens(tight), tight_stats=vars(tight.stats), paged_stats=vars(paged.stats),
+                            logprobs={k: [s.response_logprobs for s in b] for k, b in
+                                      (("paged", paged), ("static", static), ("recomputed", recomputed),
+                                       ("tight", tight))},
+                            forced=_teacher_forced_logprobs(model, paged))
     result["budget"] = _budget_checks(model)
     return result
+
+
+def _tight_budget(model):
+    """Two state slots (requests expected at a tenth of their budget: 3 blocks each) and blocks that
+    hold only the longest request at its longest (6 of 8 tokens; one more is Megatron's dummy)."""
+    from megatron_cascade.rollout import KVCacheConfig
+    from megatron_cascade.rollout.kv_budget import kv_layout
+
+    layout = kv_layout(model, block_size_tokens=8)
+    longest = layout.blocks_for(max(len(p) for p in PROMPTS) + GREEDY.max_new_tokens)
+    return KVCacheConfig(kv_cache_bytes=(longest + 1) * layout.block_bytes + 2 * layout.state_bytes,
+                         block_size_tokens=8, expected_response_fraction=0.1)
 
 
 def _budget_checks(model):
@@ -83,9 +102,10 @@ def _budget_checks(model):
     row_tokens = max(len(p) for p in PROMPTS) + GREEDY.max_new_tokens
     per_row = static_row_bytes(model, row_tokens)
     three_rows = KVCacheConfig(kv_cache_bytes=3 * per_row + 1)
-    budgeted = generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, use_kv_cache=True, kv_cache=three_rows)
+    budgeted = generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, static_batches=True, kv_cache=three_rows)
     try:
-        generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, kv_cache=KVCacheConfig(kv_cache_bytes=per_row - 1))
+        generate(model, PROMPTS, GREEDY, tokenizer=TOKENIZER, static_batches=True,
+                 kv_cache=KVCacheConfig(kv_cache_bytes=per_row - 1))
         refused = ""
     except ValueError as exc:
         refused = str(exc)
@@ -98,7 +118,8 @@ def _ep_worker(weights_dir):
 
     model = _model(ParallelConfig(expert_model_parallel_size=2), weights_dir, False)
     mine = PROMPTS[:3] if dist.get_rank() == 0 else PROMPTS[3:]
-    return _tokens(generate(model, mine, GREEDY, tokenizer=TOKENIZER, use_kv_cache=True))
+    return {static: _tokens(generate(model, mine, GREEDY, tokenizer=TOKENIZER, static_batches=static))
+            for static in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -108,21 +129,36 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["greedy", "sampled"])
-def test_cached_ssm_state_equals_full_recompute(single, name):
+@pytest.mark.parametrize("engine", ["paged", "static", "tight"])
+def test_cached_ssm_state_equals_full_recompute(single, name, engine):
+    """Paged (with forks), static, and paged under a budget that preempts: the recomputed tokens,
+    log-probs within float rounding of the recompute and of a teacher-forced forward."""
     result = single[1][name]
-    assert result["cached"] == result["recomputed"]
-    for cached, recomputed, forced in zip(result["logprobs"], result["recomputed_logprobs"], result["forced"]):
-        assert max(abs(a - b) for a, b in zip(cached, recomputed)) < 1e-5
-        assert max(abs(a - b) for a, b in zip(cached, forced)) < 1e-5
+    assert result[engine] == result["recomputed"]
+    logprobs = result["logprobs"]
+    for cached, recomputed in zip(logprobs[engine], logprobs["recomputed"], strict=True):
+        assert max(abs(a - b) for a, b in zip(cached, recomputed, strict=True)) < 1e-5
+    for cached, forced in zip(logprobs[engine], result["forced"], strict=True):
+        assert max(abs(a - b) for a, b in zip(cached, forced, strict=True)) < 1e-5
     # The test would prove little if the responses were all the same token.
-    assert len({tuple(t) for t in result["cached"]}) > 2 and all(len(set(t)) > 1 for t in result["cached"])
+    assert len({tuple(t) for t in result["paged"]}) > 2 and all(len(set(t)) > 1 for t in result["paged"])
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_paged_hybrid_runs_requests_together_and_preempts_under_a_tight_budget(single, name):
+    result = single[1][name]
+    assert result["paged_stats"]["peak_requests"] == len(PROMPTS) * 2  # all at once: 4 prompts x 2 samples
+    assert result["paged_stats"]["preemptions"] == 0
+    tight = result["tight_stats"]
+    assert tight["peak_requests"] == 2 and tight["preemptions"] > 0 and tight["recomputed_tokens"] > 0
 
 
 def test_expert_parallel_ranks_step_together_and_match_one_process(single):
     weights, result = single
     ranks = run_distributed(_ep_worker, 2, weights, timeout_s=240)
-    reference = result["greedy"]["cached"]
-    assert ranks[0] + ranks[1] == reference  # prompts 0-2 on rank 0, prompt 3 on rank 1 (n = 2 each)
+    reference = result["greedy"]["paged"]
+    for static in (False, True):  # prompts 0-2 on rank 0, prompt 3 on rank 1 (n = 2 each)
+        assert ranks[0][static] + ranks[1][static] == reference
 
 
 def test_static_batches_follow_the_cache_budget(single):
@@ -130,5 +166,5 @@ def test_static_batches_follow_the_cache_budget(single):
     # K/V of the one attention layer (2 groups x head dim 8) + conv [128, 4] and SSM [8, 8, 16] states of the
     # two Mamba layers, fp32.
     assert budget["per_row"] == 4 * (2 * budget["row_tokens"] * 2 * 8 + 2 * (128 * 4 + 8 * 8 * 16))
-    assert budget["tokens"] == single[1]["greedy"]["cached"]  # 8 rows in batches of 3
+    assert budget["tokens"] == single[1]["greedy"]["paged"]  # 8 rows in batches of 3
     assert "cannot hold one row" in budget["refused"] and "rollout.kv_cache_bytes" in budget["refused"]
