@@ -7,8 +7,11 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
   (GRPO with ``loss.kl_coef > 0``) or the one resident MOPD teacher, in the model dtype;
 * generation (``rollout/engine.py``): the paged KV cache — ``rollout.kv_cache_bytes`` or
   ``kv_cache_fraction`` of the memory the static state and frozen models leave, at most what every
-  local sample needs (prompt + response) — plus one generation step (the largest layer intermediates
-  of up to 16K tokens and the sampled rows' logits); a budget that cannot hold one sample is refused;
+  local sample needs at its longest — plus one generation step (the largest layer intermediates of
+  up to max(16K, the longest sample) tokens and the sampled rows' logits); blocks are taken on
+  demand, so the samples decoding at once are counted at ``rollout.expected_response_fraction`` of
+  ``max_new_tokens`` (per GPU: over the TP x PP x CP GPUs of a model replica); a budget that cannot
+  hold one sample at its longest is refused;
 * training: activations of the micro-batches in flight (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", generalised to GQA, SwiGLU and MoE top-k;
   with ``model.recompute`` none/selective/full) and the output head: where the stage samples from a
@@ -16,21 +19,21 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
   fp32 work of ``ops/truncated_logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled),
   else the fused log-prob head's working set (``training/output_head.py``: per-chunk logit buffers,
   the gathered hidden states and their gradient; no [tokens, vocab] tensor);
-* peak = static + max(generation, training); host memory holds the offloaded MOPD teachers.
+* peak = static + max(generation, training) + ``cluster.runtime_overhead_gib`` (CUDA context, NCCL,
+  workspaces); host memory holds the offloaded MOPD teachers.
 
 Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
 layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
 attention-only, MLP-only and MoE-only layers; under ``recompute: full`` (``model/hybrid_model.py``)
-each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate
-through the static context (``rollout/static.py``): batches of as many samples as
-``rollout.kv_cache_*`` holds (and a prefill of 16K prompt tokens allows), each row with its K/V
-(attention layers only) and Mamba states, and one prefill per batch.
+each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate in
+the same paged engine, each sample holding one Mamba state slot besides its KV blocks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
 from megatron_cascade.config.model import FP8Config, ModelConfig
@@ -469,73 +472,78 @@ def mamba_state_bytes_per_sample(m: ModelConfig, layout: Layout) -> float:
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """The paged generator's memory on one GPU (``rollout/engine.py``), bytes."""
+    """The paged generator's memory and concurrency on one GPU (``rollout/engine.py``), bytes.
 
-    kv_cache: float  # the KV blocks allocated: min(budget, what every local sample needs at once)
+    KV blocks are taken on demand: a sample holds the blocks of its tokens so far (plus, for a hybrid
+    model, one conv + SSM state slot), so how many decode at once depends on how long responses
+    get; the plan takes them at ``rollout.expected_response_fraction`` of ``max_new_tokens``.
+    """
+
+    kv_cache: float  # KV blocks (at most every local sample at its longest, + the dummy) + Mamba state slots
     step: float  # one forward step: its largest layer intermediates and the sampled rows' logits
-    concurrent: int  # samples that run at once (each reserves prompt + max_new_tokens)
-    samples: int  # local samples of a step
+    concurrent: int  # local samples decoding at once, at their expected length
+    samples: int  # local samples of a step (one model replica's)
+    gpus: int  # GPUs of one model replica (TP x PP x CP): they decode its samples together
+    expected_kv: float  # one sample's KV blocks at its expected length
+    worst_kv: float  # ... at its longest (prompt + max_new_tokens)
+    state: float  # one sample's Mamba state slot (hybrid models; 0 otherwise)
+    capacity: int  # samples the cache holds at once at their expected length (whatever a step has)
+
+    @property
+    def concurrent_per_gpu(self) -> float:
+        return self.concurrent / self.gpus
+
+    @property
+    def capacity_per_gpu(self) -> float:
+        return self.capacity / self.gpus
 
 
 def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_bytes: float) -> GenerationPlan:
-    """What the paged generator allocates for ``stage``: every sample reserves the blocks of its prompt
-    plus ``max_new_tokens``; the cache is ``rollout.kv_cache_bytes`` (or ``kv_cache_fraction`` of
-    ``free_bytes``, the memory left by weights, optimizer and frozen models) or what all local samples
-    need, whichever is smaller. A step runs at most max(16384, prompt + concurrent requests) tokens
-    through flash attention (no [s x s] scores) and the output layer on each request's last token.
+    """What the paged generator allocates for ``stage`` (``rollout/kv_budget.cache_capacity``): the
+    budget is ``rollout.kv_cache_bytes`` (or ``kv_cache_fraction`` of ``free_bytes``, the memory left
+    by weights, optimizer and frozen models); a hybrid model first takes a state slot for as many
+    samples as fit at their expected length, the rest are KV blocks, at most what every local sample
+    needs at its longest. A step runs at most max(16384, the longest sample + the live requests)
+    tokens (a preempted sample is prefilled again from prompt + response) through flash attention
+    (no [s x s] scores) and the output layer on each request's last token.
 
-    Raises ``ConfigError`` when the budget cannot hold one sample (generation would refuse to start).
+    Raises ``ConfigError`` when the budget cannot hold one sample at its longest (generation would
+    refuse to start).
     """
     m, r = cfg.model, stage.rollout
     samples = stage.prompts_per_step * stage.samples_per_prompt // layout.dp
     prompt = min(cfg.data.max_prompt_tokens, m.max_position_embeddings)
-    if m.architecture == "hybrid":
-        budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * max(free_bytes, 0)
-        return _static_generation_plan(m, layout, stage, samples, prompt, budget)
+    longest = min(prompt + r.max_new_tokens, m.max_position_embeddings)
+    expected_len = min(prompt + math.ceil(r.expected_response_fraction * r.max_new_tokens), longest)
     block = r.kv_block_size_tokens * kv_bytes_per_token(m, layout)
-    per_sample = math.ceil((prompt + r.max_new_tokens) / r.kv_block_size_tokens) * block
+    worst = math.ceil(longest / r.kv_block_size_tokens) * block
+    expected = math.ceil(expected_len / r.kv_block_size_tokens) * block
+    state = mamba_state_bytes_per_sample(m, layout)
     budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * free_bytes
-    if budget < per_sample + block and r.kv_cache_bytes is None and free_bytes <= 0:
-        budget = per_sample + block  # the static state alone overflows (the plan warns): plan one sample
-    if budget < per_sample + block:  # + Megatron's dummy block
+    one = worst + block + state  # one sample at its longest, its state slot and Megatron's dummy block
+    if budget < one and r.kv_cache_bytes is None and free_bytes <= 0:
+        budget = one  # the static state alone overflows (the plan warns): plan one sample
+    if budget < one:
         key = "rollout.kv_cache_bytes" if r.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
+        with_state = f" + {state / GIB:.2f} GiB of Mamba state" if state else ""
         raise ConfigError(f"stage {stage.name}: the KV cache budget ({budget / GIB:.1f} GiB from {key}) cannot hold "
-                          f"one sample of {prompt} + {r.max_new_tokens} tokens ({per_sample / GIB:.2f} GiB per GPU): "
-                          "raise it, lower rollout.max_new_tokens / data.max_prompt_tokens, or split the KV heads "
-                          "over more TP ranks / the layers over more PP stages")
-    concurrent = min(samples, int(budget // per_sample))
-    tokens = max(16384, prompt + concurrent)
+                          f"one sample of {prompt} + {r.max_new_tokens} tokens ({worst / GIB:.2f} GiB per GPU"
+                          f"{with_state}): raise it, lower rollout.max_new_tokens / data.max_prompt_tokens, or split "
+                          "the KV heads over more TP ranks / the layers over more PP stages")
+    slots = max(1, min(samples, int(budget // (state + expected)))) if state else samples
+    blocks = min(int((budget - slots * state) // block) - 1, samples * math.ceil(longest / r.kv_block_size_tokens))
+    capacity = int((budget - block) // (expected + state))
+    concurrent = min(samples, slots, blocks * block // expected)
+    tokens = max(16384, longest + concurrent)
     step = prefill_bytes(m, layout, Shape(tokens, 1), fused_attention=True)
+    if m.architecture == "hybrid":
+        e = _DTYPE_BYTES[m.precision]
+        _, d_inner, _, width = _mamba_sizes(m)
+        step = max(step, e * tokens * (2 * m.hidden_size + (width + d_inner) / layout.tp))  # in_proj out, scan out
     step += (_DTYPE_BYTES[m.precision] + 4) * concurrent * m.padded_vocab_size  # gathered logits, sampled in fp32
-    return GenerationPlan(min(budget, samples * per_sample + block), step, concurrent, samples)
-
-
-def _static_generation_plan(m: ModelConfig, layout: Layout, stage: ResolvedStage, samples: int, prompt: int,
-                            budget: float) -> GenerationPlan:
-    """The static generator of hybrid models (``rollout/static.py``): left-padded batches of as many
-    samples as the budget holds (``rollout.kv_cache_bytes``, or ``kv_cache_fraction`` of the memory
-    the static state leaves) and a prefill of ``MAX_PREFILL_TOKENS`` prompt tokens allows, each row
-    keeping prompt + max_new_tokens positions of K/V in the attention layers and one conv + SSM state
-    per Mamba layer; a batch's prefill runs its prompts at once.
-
-    Raises ``ConfigError`` when the budget cannot hold one row (generation would refuse to start).
-    """
-    from megatron_cascade.rollout.static import MAX_PREFILL_TOKENS
-
-    length = min(prompt + stage.rollout.max_new_tokens, m.max_position_embeddings)
-    per_row = length * kv_bytes_per_token(m, layout) + mamba_state_bytes_per_sample(m, layout)
-    if budget < per_row:
-        key = "rollout.kv_cache_bytes" if stage.rollout.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
-        raise ConfigError(f"stage {stage.name}: the generation cache budget ({budget / GIB:.1f} GiB from {key}) "
-                          f"cannot hold one row of {length} tokens ({per_row / GIB:.2f} GiB of attention K/V and "
-                          "Mamba state per GPU): raise it, or lower rollout.max_new_tokens / data.max_prompt_tokens")
-    rows = min(samples, int(budget // per_row), max(1, MAX_PREFILL_TOKENS // prompt))
-    e, t = _DTYPE_BYTES[m.precision], layout.tp
-    _, d_inner, _, width = _mamba_sizes(m)
-    mamba = e * prompt * rows * (2 * m.hidden_size + (width + d_inner) / t)  # in_proj out, scan out
-    step = max(prefill_bytes(m, layout, Shape(prompt, rows), fused_attention=True), mamba)
-    step += (e + 4) * rows * m.padded_vocab_size  # the last column's gathered logits, sampled in fp32
-    return GenerationPlan(rows * per_row, step, rows, samples)
+    return GenerationPlan(kv_cache=(blocks + 1) * block + slots * state, step=step, concurrent=int(concurrent),
+                          samples=samples, gpus=layout.tp * layout.pp * layout.cp, expected_kv=expected,
+                          worst_kv=worst, state=state, capacity=capacity)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------
@@ -550,8 +558,8 @@ class StageMemory:
     activations: float
     logits: float  # the output head: truncated sampling's logits and their gradient, else the fused head
     host_teachers: float  # offloaded MOPD teachers, per node
-    concurrent_samples: int = 0  # samples the KV cache runs at once (generation)
-    local_samples: int = 0  # samples this GPU generates per step
+    overhead: float  # cluster.runtime_overhead_gib: CUDA context, NCCL, workspaces
+    generation_plan: Optional[GenerationPlan] = None  # generating stages
 
     @property
     def training(self) -> float:
@@ -559,7 +567,7 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        return self.static + self.frozen + max(self.generation, self.training)
+        return self.static + self.frozen + max(self.generation, self.training) + self.overhead
 
 
 def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageMemory:
@@ -582,18 +590,26 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     frozen = frozen_weights if (with_reference or kind.teachers) else 0.0
     static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
     kv = generation = 0.0
-    concurrent = local_samples = 0
+    gen = None
     if kind.generates:
-        gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen)
-        kv, generation, concurrent, local_samples = gen.kv_cache, gen.kv_cache + gen.step, gen.concurrent, gen.samples
+        overhead = cfg.cluster.runtime_overhead_gib * GIB
+        gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen - overhead)
+        kv, generation = gen.kv_cache, gen.kv_cache + gen.step
     distinct_teachers = len(set(stage.teachers.values())) if kind.teachers else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
-                       host / GIB, concurrent, local_samples)
+                       host / GIB, cfg.cluster.runtime_overhead_gib, gen)
 
 
 def _concurrency(mem: StageMemory) -> str:
-    return f", {mem.concurrent_samples} of {mem.local_samples} samples at once" if mem.local_samples else ""
+    gen = mem.generation_plan
+    if gen is None:
+        return ""
+    mib = 2**20
+    state = f" + state {gen.state / mib:.0f}" if gen.state else ""
+    return (f"; per sample {gen.expected_kv / mib:.0f} MiB expected / {gen.worst_kv / mib:.0f} worst{state}; "
+            f"{gen.concurrent} of {gen.samples} samples at once = {gen.concurrent_per_gpu:.1f}/GPU, "
+            f"room for {gen.capacity_per_gpu:.0f}/GPU")
 
 
 def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
@@ -603,7 +619,8 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
-            f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]){host}")
+            f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]) + runtime "
+            f"{mem.overhead:.1f}{host}")
 
 
 def _head_name(stage: ResolvedStage) -> str:
@@ -638,7 +655,8 @@ def describe_plan(cfg: RunConfig) -> str:
             f"  {s.name:<14} {s.type:<5} steps={s.steps:<4} batch={s.prompts_per_step}x{s.samples_per_prompt} "
             f"max_new_tokens={s.rollout.max_new_tokens} lr={s.optimizer.lr:g} kl={s.loss.kl_coef:g} "
             f"domains={s.domains}{teachers}")
-    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max(generation, training)):")
+    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max(generation, training) + runtime "
+                 "overhead):")
     warnings = []
     for s in stages:
         plan = stage_memory(cfg, layout, s)

@@ -201,6 +201,10 @@ class ClusterConfig:
     # the TE layer spec (fused attention keeps no [s x s] scores; FP8 allowed); false: the local spec,
     # whose attention materialises the scores, and FP8 refused.
     transformer_engine: bool = True
+    # Memory per GPU that no tensor of the model holds: CUDA context, NCCL buffers, cuBLAS / TE
+    # workspaces, allocator fragmentation (typically 3-6 GiB). Counted in every stage's peak and left
+    # out of the KV budget that kv_cache_fraction takes from the free memory.
+    runtime_overhead_gib: float = ranged(5.0, ge=0)
 
 
 @dataclass

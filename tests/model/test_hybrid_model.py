@@ -115,32 +115,12 @@ def test_mamba_activation_and_state_terms_by_hand():
 HYBRID_YAML = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "tiny_cascade" / "hybrid.yaml")
 
 
-def test_plan_of_the_static_generator_follows_the_budget(tmp_path):
-    """Hybrid generation plans batches of as many rows as rollout.kv_cache_bytes holds; less than a row is refused."""
+def test_plan_of_hybrid_generation_takes_state_slots_and_kv_on_demand(tmp_path):
+    """Hybrid generation plans one Mamba state slot per sample beside KV blocks taken on demand: samples
+    at once follow rollout.kv_cache_bytes at their expected length; less than one sample at its longest
+    (with its state and the dummy block) is refused; long prompts are no longer batched by a prefill cap."""
     from megatron_cascade.cascade.plan import generation_plan
     from megatron_cascade.config import load_config, resolve_stage
     from megatron_cascade.model import resolve_layout
 
-    def plan(kv_bytes, *extra):
-        cfg = load_config(HYBRID_YAML, [f"output_dir={tmp_path}", f"rollout.kv_cache_bytes={kv_bytes}",
-                                        "rollout.max_new_tokens=40", "data.max_prompt_tokens=60", *extra],
-                          check_paths=False)
-        layout = resolve_layout(cfg.model, cfg.parallel, 1, check_this_machine=False)
-        stage = resolve_stage(cfg, next(s for s in cfg.stages if s.type == "grpo"))
-        samples.append(stage.prompts_per_step * stage.samples_per_prompt)
-        return generation_plan(cfg, layout, stage, free_bytes=2**30), cfg.model, layout
-
-    samples = []
-    gen, m, layout = plan(2**30)
-    # hybrid.yaml: hidden 128, heads 8 x 32, groups 2, state 32, kernel 4; "M*ME": 1 attention, 2 Mamba layers.
-    per_row = 100 * 2 * 2 * 32 * 4 + 2 * ((256 + 2 * 2 * 32) * 4 + 8 * 32 * 32) * 4
-    assert kv_bytes_per_token(m, layout) * 100 + mamba_state_bytes_per_sample(m, layout) == per_row
-    n = samples[0]
-    assert n > 5 and (gen.samples, gen.concurrent, gen.kv_cache) == (n, n, n * per_row)
-    gen, _, _ = plan(int(5.5 * per_row))
-    assert (gen.concurrent, gen.kv_cache) == (5, 5 * per_row)
-    with pytest.raises(ConfigError, match="cannot hold one row of 100 tokens"):
-        plan(per_row - 1)
-    # Long prompts: a batch's prefill is capped at 16384 prompt tokens (2 rows of 8000), whatever the budget.
-    gen, _, _ = plan(2**40, "data.max_prompt_tokens=8000", "model.max_position_embeddings=8040")
-    assert gen.concurrent == 2
+    
