@@ -20,7 +20,7 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         total: global sums (``RolloutStage._rollout_sums`` keys, plus ``groups_trained``,
             ``advantage_abs_sum``, ``samples_trained`` for GRPO, ``mopd_rkl_sum/*``,
             ``mopd_tokens/*`` for MOPD, and ``episode*`` keys for multi-turn environments).
-        peaks: global maxima (``response_length_max``, ``sampling_rounds``).
+        peaks: global maxima (``response_length_max``, ``sampling_rounds``, ``generation_peak_requests``).
         prompts_per_step: the stage's prompts per step (the batch dynamic sampling fills).
         teachers: MOPD teacher (stage name or folder) per domain; {} otherwise.
     """
@@ -34,6 +34,9 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         "groups/informative_frac": _div(total["groups_informative"], total["groups"]),
         "sampling/rounds": peaks["sampling_rounds"],
         "sampling/groups_generated": total["groups"],
+        "generation/preemptions": total.get("generation_preemptions", 0.0),
+        "generation/recomputed_tokens": total.get("generation_recomputed_tokens", 0.0),
+        "generation/peak_requests": peaks.get("generation_peak_requests", 0.0),
     }
     if any(k.startswith("scored/") for k in total):  # a stage with rewards
         out.update(_reward_metrics(total, domains, samples, sum_of))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_cascade.environments.episode import Episode, EpisodeSample, EpisodeSettings, StepOutcome
 from megatron_cascade.environments.workers import Pending
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, RolloutSample, SamplingParams, generate
+from megatron_cascade.rollout.batch import GenerationStats
 from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.tokenizers.base import Tokenizer
 
@@ -69,6 +70,7 @@ def run_episodes(
     episodes = [Episode(EpisodeSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt)), settings[p], rows[p])
                 for p, prompt in enumerate(prompts) for k in range(params.n)]
     finishing: list[Pending] = []
+    stats = GenerationStats()  # over every turn's generate call
 
     def end(index: int) -> None:
         ep = episodes[index]
@@ -114,6 +116,7 @@ def run_episodes(
 
         result = generate(model, call_prompts, call_params, tokenizer=tokenizer, kv_cache=kv_cache,
                           max_sequence_length=limit, on_finished=on_turn)
+        stats.add(result.stats)
         for call_index, turn_sample in enumerate(result):
             on_turn(call_index, turn_sample)
         stepped = sorted(i for i in targets if not episodes[i].done)
@@ -130,7 +133,7 @@ def run_episodes(
     for job in finishing:
         if not job.wait():
             log.warning("an environment's finish() overran environment.step_timeout_s; abandoned")
-    return RolloutBatch([ep.sample for ep in episodes], params)
+    return RolloutBatch([ep.sample for ep in episodes], params, stats)
 
 
 def _outcomes(stepped: list[int], pending: dict[int, Pending]) -> list[StepOutcome]:

@@ -60,6 +60,17 @@ class GenerationStats:
     preemptions: int = 0
     recomputed_tokens: int = 0
 
+    def add(self, other: Optional["GenerationStats"]) -> None:
+        """Fold in another call's stats (a multi-turn rollout's turns): counts add, peaks take the max."""
+        if other is None:
+            return
+        self.steps += other.steps
+        self.dummy_steps += other.dummy_steps
+        self.preemptions += other.preemptions
+        self.recomputed_tokens += other.recomputed_tokens
+        self.peak_requests = max(self.peak_requests, other.peak_requests)
+        self.kv_cache_bytes = max(self.kv_cache_bytes, other.kv_cache_bytes)
+
 
 @dataclass
 class RolloutBatch:

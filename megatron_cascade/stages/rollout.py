@@ -115,9 +115,15 @@ class RolloutStage(StageType):
         """Step sums (and maxima) of this rank over every generated sample of every round. Reward
         statistics (stages with rewards) count only samples whose reward did not fail, after the
         overlong policy (the rewards advantages see; ``raw_reward``: the verifiers' scores)."""
-        sums: dict[str, float] = {"groups": 0.0, "groups_informative": 0.0}
-        longest = 0.0
+        sums: dict[str, float] = {"groups": 0.0, "groups_informative": 0.0, "generation_preemptions": 0.0,
+                                  "generation_recomputed_tokens": 0.0}
+        longest = peak_requests = 0.0
         for rnd in rounds:
+            stats = rnd.rollouts.stats
+            if stats is not None:  # the paged engine's run (KV on demand)
+                _add(sums, "generation_preemptions", float(stats.preemptions))
+                _add(sums, "generation_recomputed_tokens", float(stats.recomputed_tokens))
+                peak_requests = max(peak_requests, float(stats.peak_requests))
             scored = ~rnd.errored
             reward = rnd.rewards.flatten().to(torch.float64)
             lengths = torch.tensor([float(len(s.response_ids)) for s in rnd.rollouts])
@@ -139,7 +145,8 @@ class RolloutStage(StageType):
                     _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))
             if self.multi_turn:
                 self._episode_sums(sums, rnd)
-        return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds))}
+        return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds)),
+                      "generation_peak_requests": peak_requests}
 
     def _episode_sums(self, sums: dict[str, float], rnd: GroupRound) -> None:
         """Episode sums of a round: turns, environment metrics, step timeouts and errors, and the

@@ -93,3 +93,16 @@ def test_a_domain_named_like_a_reward_metric_does_not_overwrite_it():
                       f"raw_reward_sum/{d}": r, f"length_sum/{d}": 1.0, f"stop_sum/{d}": 1.0})
     m = rollout_metrics(total, {"response_length_max": 1.0, "sampling_rounds": 1.0}, 2, {})
     assert m["reward/mean"] == 0.5 and m["reward/domain/mean"] == 1.0
+
+
+def test_generation_stats_of_every_round_are_logged():
+    """KV on demand: preemptions and the tokens they prefilled again add up over rounds; the peak of
+    requests decoding at once is the largest of any round (rounds without the paged engine: none)."""
+    from megatron_cascade.rollout.batch import GenerationStats
+
+    first, second, static = _round(), _round(), _round()
+    first.rollouts.stats = GenerationStats(preemptions=2, recomputed_tokens=30, peak_requests=4)
+    second.rollouts.stats = GenerationStats(preemptions=1, recomputed_tokens=5, peak_requests=6)
+    sums, maxes = _stage("grpo")._rollout_sums([first, second, static])
+    m = rollout_metrics(sums, maxes, prompts_per_step=1, teachers={})
+    assert (m["generation/preemptions"], m["generation/recomputed_tokens"], m["generation/peak_requests"]) == (3, 35, 6)
