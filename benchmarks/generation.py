@@ -1,18 +1,23 @@
-"""Tokens/s and memory of ``generate`` (paged KV cache, continuous batching) vs the static-batch
-generator it replaced (Megatron's ``StaticInferenceContext``, all rows decoding until the longest
-finishes), on a mixed-length workload.
+"""Tokens/s, concurrency and memory of ``generate``'s paged engine against its baselines, each pair
+in one run on the same workload, like for like (the same counter-based sampling noise, so every
+generator produces the same responses: checked and printed).
 
-Workload (defaults): a random 4-layer x 256 GPT (fp32, 4 heads, character vocabulary), 16 prompts of
-20-60 tokens x 4 samples = 64 requests, temperature 1, up to 256 new tokens; two stop tokens end a
-response early, so lengths spread from a few tokens to the 256 cap (the table prints them). Both
-generators draw the same counter-based sampling noise, so they produce the same responses (checked)
-and the comparison is like for like.
+* ``--model gpt`` (default): a random 4-layer x 256 GPT. Rows: the static-batch generator
+  (Megatron's ``StaticInferenceContext``, every row decoding until the longest finishes), the paged
+  engine with all the memory it wants, and the paged engine under a KV budget of a quarter of what
+  every request needs at its longest, twice: blocks taken on demand (preempting when the pool runs
+  out) vs reserved for the whole response budget at admission (the engine before KV on demand).
+* ``--model hybrid``: the same for a random hybrid Mamba-2 / attention / MLP model (``M*M-``): the
+  static context was its only KV-cached path before it joined the paged engine.
 
-Timing: both generators in one process, alternated, best of ``--repeats``. Memory: each in a fresh
-process, peak RSS above the RSS after a warm-up call, plus the KV bytes each allocated; one more
-paged run under a KV budget of a quarter of what all requests need at once shows the cap holds.
+Workload (defaults): 16 prompts of 20-60 tokens x 4 samples = 64 requests, temperature 1, up to 256
+new tokens; two stop tokens end a response early, so lengths are long-tailed, from a few tokens to
+the 256 cap (the table prints them).
 
-Usage: ``python benchmarks/generation.py [--prompts 16 --samples 4 --max-new-tokens 256]``.
+Timing: the generators in one process, alternated, best of ``--repeats``. Memory: each in a fresh
+process, peak RSS above the RSS after a warm-up call, plus the cache bytes each allocated.
+
+Usage: ``python benchmarks/generation.py [--model gpt|hybrid] [--prompts 16 --samples 4 --max-new-tokens 256]``.
 """
 
 from __future__ import annotations
@@ -27,14 +32,24 @@ import psutil
 import torch
 
 from megatron_cascade.config import ModelConfig, ParallelConfig
+from megatron_cascade.config.model import HybridConfig
 from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.tokenizers import CharTokenizer
 
 TOKENIZER = CharTokenizer()
-MODEL = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=TOKENIZER.vocab_size,
-                    ffn_hidden_size=1024, max_position_embeddings=512, init_method_std=0.05)
+MODELS = {
+    "gpt": ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=TOKENIZER.vocab_size,
+                       ffn_hidden_size=1024, max_position_embeddings=512, init_method_std=0.05),
+    "hybrid": ModelConfig(architecture="hybrid", num_layers=4, hidden_size=256, num_attention_heads=4,
+                          num_query_groups=2, vocab_size=TOKENIZER.vocab_size, ffn_hidden_size=1024,
+                          max_position_embeddings=512, init_method_std=0.05, position_embedding_type="none",
+                          activation="squared_relu",
+                          hybrid=HybridConfig(layer_pattern="M*M-", mamba_head_dim=32, mamba_num_groups=2,
+                                              mamba_state_dim=32, mamba_chunk_size=64)),
+}
 STOP_IDS = (17, 42)
+BLOCK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -54,114 +69,127 @@ class Workload:
                               stop_token_ids=STOP_IDS, ignore_eos=True)
 
 
-def static_baseline(model, prompts, params: SamplingParams):
-    """The pre-paged generator: one left-padded static batch with Megatron's static KV cache."""
-    from megatron_cascade.rollout import RolloutSample
-    from megatron_cascade.rollout.static import generate_static
-
-    samples = [RolloutSample(prompt_index=p, sample_index=k, prompt_ids=list(x))
-               for p, x in enumerate(prompts) for k in range(params.n)]
-    model.eval()
-    with torch.no_grad():
-        generate_static(model, samples, params, tokenizer=TOKENIZER, limit=MODEL.max_position_embeddings,
-                        use_kv_cache=True)
-    return samples
-
-
-def static_kv_bytes(prompts, params: SamplingParams) -> int:
-    """What ``StaticInferenceContext`` allocates: K and V ``[batch_width, rows, kv_hidden]`` per layer."""
-    width = max(len(p) for p in prompts) + params.max_new_tokens
-    rows = len(prompts) * params.n
-    return 4 * 2 * MODEL.num_layers * width * rows * MODEL.hidden_size
-
-
-def _build(threads: int):
-    from megatron_cascade.model import build_gpt_model, initialize_model_parallel
+def _build(model_cfg: ModelConfig, threads: int):
+    from megatron_cascade.model import build_model, initialize_model_parallel
 
     # One thread by default: on a shared 2-core machine two threads contend (a 16 x 256 x 1024
     # matmul took 4.5 ms with 2 threads under load vs 0.12 ms with 1).
     torch.set_num_threads(threads)
     initialize_model_parallel(ParallelConfig(), seed=1234)
-    return build_gpt_model(MODEL, ParallelConfig())
+    return build_model(model_cfg, ParallelConfig())
 
 
-def _run(name: str, model, work: Workload, kv: KVCacheConfig | None):
-    prompts, params = work.prompt_ids(), work.params()
-    if name == "static":
-        return static_baseline(model, prompts, params), None
-    batch = generate(model, prompts, params, tokenizer=TOKENIZER, kv_cache=kv)
-    return list(batch), batch.stats
+def _run(name: str, model, work: Workload, kv: KVCacheConfig):
+    """One generator on the workload: ``static`` (static batches, as many rows as ``kv`` holds) or a
+    paged run under ``kv``."""
+    batch = generate(model, work.prompt_ids(), work.params(), tokenizer=TOKENIZER, kv_cache=kv,
+                     static_batches=name == "static")
+    return [s.response_ids for s in batch], batch.stats
 
 
-def timing_worker(work: Workload, repeats: int, budget: int, threads: int) -> dict:
-    """Both generators (and the budget-capped paged one) in this process, alternated."""
-    model = _build(threads)
-    small = replace(work, prompts=2, max_new_tokens=8)
-    for name in ("static", "paged"):
-        _run(name, model, small, None)  # warm-up
-    kinds = {"static": None, "paged": KVCacheConfig(block_size_tokens=64),
-             "paged_capped": KVCacheConfig(kv_cache_bytes=budget, block_size_tokens=64)}
+def _cache_bytes(model, work: Workload, name: str, stats) -> int:
+    """Bytes the generator's cache held: the paged context's (its stats), or the static batch's
+    K/V of every row at the batch's width plus the Mamba states (``static_row_bytes``)."""
+    from megatron_cascade.rollout.kv_budget import static_row_bytes
+
+    if stats is not None:
+        return stats.kv_cache_bytes
+    prompts = work.prompt_ids()
+    width = max(len(p) for p in prompts) + work.max_new_tokens
+    return static_row_bytes(model, width) * len(prompts) * work.samples
+
+
+def timing_worker(model_cfg: ModelConfig, work: Workload, repeats: int, budget: int, threads: int) -> dict:
+    """Every generator in this process, alternated; best and median seconds, tokens, stats."""
+    model = _build(model_cfg, threads)
+    roomy = KVCacheConfig(block_size_tokens=BLOCK_TOKENS, kv_cache_bytes=2**31)
+    kinds = {"static": roomy, "paged": roomy,
+             "on_demand": KVCacheConfig(kv_cache_bytes=budget, block_size_tokens=BLOCK_TOKENS),
+             "reserved": KVCacheConfig(kv_cache_bytes=budget, block_size_tokens=BLOCK_TOKENS,
+                                       reserve_full_response=True)}
+    for name, kv in kinds.items():
+        _run(name, model, replace(work, prompts=2, max_new_tokens=8), kv)  # warm-up
     times = {k: [] for k in kinds}
     results = {}
     for _ in range(repeats):
         for name, kv in kinds.items():
             start = time.perf_counter()
-            samples, stats = _run("static" if name == "static" else "paged", model, work, kv)
+            tokens, stats = _run(name, model, work, kv)
             times[name].append(time.perf_counter() - start)
-            results[name] = ([s.response_ids for s in samples], stats)
+            results[name] = (tokens, stats, _cache_bytes(model, work, name, stats))
     return {name: {"seconds": min(t), "median": statistics.median(t), "tokens": results[name][0],
-                   "stats": vars(results[name][1]) if results[name][1] else None} for name, t in times.items()}
+                   "stats": vars(results[name][1]) if results[name][1] else None, "cache_bytes": results[name][2]}
+            for name, t in times.items()}
 
 
-def memory_worker(name: str, work: Workload, threads: int) -> int:
+def memory_worker(model_cfg: ModelConfig, name: str, work: Workload, threads: int) -> int:
     """Peak RSS above the RSS after a warm-up call, for one generator (fresh process)."""
-    model = _build(threads)
-    _run(name, model, replace(work, prompts=2, max_new_tokens=8), KVCacheConfig(block_size_tokens=64))
+    model = _build(model_cfg, threads)
+    roomy = KVCacheConfig(block_size_tokens=BLOCK_TOKENS, kv_cache_bytes=2**31)
+    _run(name, model, replace(work, prompts=2, max_new_tokens=8), roomy)
     baseline = psutil.Process().memory_info().rss
-    _run(name, model, work, KVCacheConfig(block_size_tokens=64))
+    _run(name, model, work, roomy)
     return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
+
+
+def _need_bytes(model_cfg: ModelConfig, work: Workload) -> int:
+    """What every request needs at its longest: its KV blocks (and Mamba state) on one process."""
+    layout = run_distributed(_layout_worker, 1, model_cfg)[0]
+    blocks = sum(-(-(len(p) + work.max_new_tokens) // BLOCK_TOKENS) for p in work.prompt_ids()) * work.samples
+    return blocks * layout[0] + work.prompts * work.samples * layout[1]
+
+
+def _layout_worker(model_cfg: ModelConfig) -> tuple[int, int]:
+    from megatron_cascade.rollout.kv_budget import kv_layout
+
+    layout = kv_layout(_build(model_cfg, 1), BLOCK_TOKENS, tp=1)
+    return layout.block_bytes, layout.state_bytes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    model_cfg = MODELS[args.model]
     work = Workload(args.prompts, args.samples, args.max_new_tokens)
-    prompts, params = work.prompt_ids(), work.params()
-    block_bytes = 4 * 2 * MODEL.num_layers * 64 * MODEL.hidden_size
-    need = sum(-(-(len(p) + params.max_new_tokens) // 64) for p in prompts) * params.n * block_bytes
-    budget = need // 4
-    res = run_distributed(timing_worker, 1, work, args.repeats, budget, args.threads, timeout_s=3600)[0]
-    mem = {name: run_distributed(memory_worker, 1, name, work, args.threads, timeout_s=3600)[0]
+    budget = _need_bytes(model_cfg, work) // 4
+    res = run_distributed(timing_worker, 1, model_cfg, work, args.repeats, budget, args.threads, timeout_s=3600)[0]
+    mem = {name: run_distributed(memory_worker, 1, model_cfg, name, work, args.threads, timeout_s=3600)[0]
            for name in ("static", "paged")}
 
     lengths = sorted(len(t) for t in res["paged"]["tokens"])
     generated = sum(lengths)
-    same = res["paged"]["tokens"] == res["static"]["tokens"] == res["paged_capped"]["tokens"]
-    print(f"model 4 layers x {MODEL.hidden_size}, fp32, threads={args.threads}; {len(prompts)} prompts x "
-          f"{params.n} samples = {len(lengths)} requests; response lengths min {lengths[0]} / median "
-          f"{lengths[len(lengths) // 2]} / mean {generated / len(lengths):.0f} / max {lengths[-1]} "
-          f"({generated} tokens); identical responses: {same}")
-    print(f"{'generator':<28}{'seconds':>9}{'tokens/s':>10}{'speed-up':>10}{'KV MiB':>9}{'peak RSS MiB':>14}"
-          f"{'steps':>7}")
+    same = all(res[k]["tokens"] == res["static"]["tokens"] for k in res)
+    print(f"model {args.model} ({model_cfg.num_layers} layers x {model_cfg.hidden_size}, fp32), threads={args.threads}; "
+          f"{work.prompts} prompts x {work.samples} samples = {len(lengths)} requests; response lengths min "
+          f"{lengths[0]} / median {lengths[len(lengths) // 2]} / mean {generated / len(lengths):.0f} / max "
+          f"{lengths[-1]} ({generated} tokens); identical responses in every row: {same}")
+    print(f"{'generator':<36}{'seconds':>9}{'tokens/s':>10}{'vs static':>10}{'cache MiB':>10}{'peak RSS MiB':>14}"
+          f"{'steps':>7}{'at once':>9}{'preempted':>11}")
     base = res["static"]["seconds"]
-    rows = [("static (before)", "static", static_kv_bytes(prompts, params), mem["static"]),
-            ("paged, continuous", "paged", res["paged"]["stats"]["kv_cache_bytes"], mem["paged"]),
-            (f"paged, budget {budget / 2**20:.1f} MiB", "paged_capped", res["paged_capped"]["stats"]["kv_cache_bytes"],
-             None)]
-    for label, key, kv_bytes, rss in rows:
+    rows = [("static batches (before)", "static", mem["static"]), ("paged, all memory", "paged", mem["paged"]),
+            (f"paged, {budget / 2**20:.2f} MiB, KV on demand", "on_demand", None),
+            (f"paged, {budget / 2**20:.2f} MiB, reserved", "reserved", None)]
+    for label, key, rss in rows:
         r = res[key]
-        steps = r["stats"]["steps"] if r["stats"] else max(lengths)  # static: the longest response
+        stats = r["stats"] or {}
+        steps = stats.get("steps", max(lengths))  # static: one batch, as long as its longest response
         rss_text = f"{rss / 2**20:>14.0f}" if rss is not None else f"{'-':>14}"
-        print(f"{label:<28}{r['seconds']:>9.2f}{generated / r['seconds']:>10.0f}{base / r['seconds']:>10.2f}"
-              f"{kv_bytes / 2**20:>9.1f}{rss_text}{steps:>7}")
-    capped = res["paged_capped"]["stats"]
-    print(f"budget-capped run: {capped['kv_cache_bytes']} KV bytes allocated <= budget {budget} bytes: "
-          f"{capped['kv_cache_bytes'] <= budget}; peak live requests {capped['peak_requests']} of {len(lengths)}")
+        print(f"{label:<36}{r['seconds']:>9.2f}{generated / r['seconds']:>10.0f}{base / r['seconds']:>10.2f}"
+              f"{r['cache_bytes'] / 2**20:>10.2f}{rss_text}{steps:>7}{stats.get('peak_requests', len(lengths)):>9}"
+              f"{stats.get('preemptions', 0):>11}")
+    demand, reserved = res["on_demand"], res["reserved"]
+    print(f"at a fixed budget of {budget} bytes, KV on demand vs reserved: "
+          f"{demand['stats']['peak_requests'] / reserved['stats']['peak_requests']:.2f}x requests at once, "
+          f"{reserved['seconds'] / demand['seconds']:.2f}x tokens/s ({demand['stats']['preemptions']} preemptions, "
+          f"{demand['stats']['recomputed_tokens']} tokens prefilled again); caches within the budget: "
+          f"{max(demand['cache_bytes'], reserved['cache_bytes']) <= budget}")
+    print(f"paged (all memory) vs static batches: {base / res['paged']['seconds']:.2f}x tokens/s")
 
 
 if __name__ == "__main__":

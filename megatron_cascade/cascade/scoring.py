@@ -30,6 +30,7 @@ from megatron_cascade.rewards.reasoning import ReasoningParser, build_reasoning_
 from megatron_cascade.rewards.registry import is_group_reward, score_group
 from megatron_cascade.rewards.scoring import ScoringPool, finalize_flags
 from megatron_cascade.rollout import RolloutSample
+from megatron_cascade.rollout.groups import model_parallel_source
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,11 @@ def reasoning_parser(domain: DomainConfig) -> Optional[ReasoningParser]:
     return build_reasoning_parser(spec.reasoning_parser, spec.reasoning_markers)
 
 
-def _model_parallel_source() -> tuple[bool, object, int]:
+def _model_parallel_source(group=None) -> tuple[bool, object, int]:
+    """The source of ``group`` (default: the training layout's model-parallel group)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_model_parallel_group()
-    src = dist.get_global_rank(group, 0) if dist.get_world_size(group) > 1 else dist.get_rank()
-    return dist.get_rank() == src, group, src
+    return model_parallel_source(group if group is not None else ps.get_model_parallel_group())
 
 
 def score_responses(rewards: dict, domains: dict[str, DomainConfig], responses: list[str], rows: list[dict],
@@ -100,6 +100,8 @@ class RolloutScorer:
         max_workers: reward calls live at once (default ``os.cpu_count()``, as ``score_batch``).
         group_size: responses per prompt (``samples_per_prompt``); when given, a group reward is
             called as soon as a prompt's last response finishes, else in ``collect``.
+        model_parallel_group: the generating replica's model-parallel group (a decode layout's);
+            default the training layout's.
 
     Only the model-parallel source rank scores (other ranks ignore ``on_finished``); ``collect``
     is collective over the model-parallel group (the source broadcasts). Use it as a context
@@ -111,11 +113,11 @@ class RolloutScorer:
 
     def __init__(self, rewards: dict, domains: dict[str, DomainConfig], tokenizer, prompt_rows: Sequence[dict],
                  prompt_domains: Sequence[str], *, max_workers: Optional[int] = None,
-                 group_size: Optional[int] = None) -> None:
+                 group_size: Optional[int] = None, model_parallel_group=None) -> None:
         self.rewards, self.domains, self.tokenizer = rewards, domains, tokenizer
         self.prompt_rows, self.prompt_domains = list(prompt_rows), list(prompt_domains)
         self.group_size = group_size
-        self.is_source, self.group, self.src = _model_parallel_source()
+        self.is_source, self.group, self.src = _model_parallel_source(model_parallel_group)
         self.pool = ScoringPool(max_workers) if self.is_source else None
         self.tickets: dict[int, int] = {}  # sample index -> index in the pool's results
         self.seen: set[int] = set()  # sample indices handed to on_finished

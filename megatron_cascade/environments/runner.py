@@ -29,6 +29,7 @@ from megatron_cascade.environments.episode import Episode, EpisodeSample, Episod
 from megatron_cascade.environments.workers import Pending
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, RolloutSample, SamplingParams, generate
 from megatron_cascade.rollout.batch import GenerationStats
+from megatron_cascade.rollout.groups import model_parallel_source, replica_groups
 from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.tokenizers.base import Tokenizer
 
@@ -65,7 +66,8 @@ def run_episodes(
         ``RolloutBatch`` of P * n ``EpisodeSample``s, prompt-major.
     """
     limit = max_sequence_length or unwrap_model(model).max_sequence_length
-    is_source, group, src = _model_parallel_source()
+    groups = replica_groups(unwrap_model(model))
+    is_source, group, src = model_parallel_source(groups.mp)
     stops = tuple(dict.fromkeys(list(params.stop_strings) + [s for e in settings for s in e.env.stop_strings]))
     episodes = [Episode(EpisodeSample(prompt_index=p, sample_index=k, prompt_ids=list(prompt)), settings[p], rows[p])
                 for p, prompt in enumerate(prompts) for k in range(params.n)]
@@ -82,7 +84,7 @@ def run_episodes(
     turn = 0
     while True:
         live = [i for i, ep in enumerate(episodes) if not ep.done]
-        if not _any_live(bool(live)):
+        if not _any_live(bool(live), groups.ep):
             break
         if turn == 0:
             targets = list(range(len(episodes)))
@@ -151,22 +153,11 @@ def _outcomes(stepped: list[int], pending: dict[int, Pending]) -> list[StepOutco
     return out
 
 
-def _model_parallel_source() -> tuple[bool, object, int]:
-    """(this rank runs the environments, the model-parallel group, its source's global rank)."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_model_parallel_group()
-    src = dist.get_global_rank(group, 0) if dist.get_world_size(group) > 1 else dist.get_rank()
-    return dist.get_rank() == src, group, src
-
-
-def _any_live(live: bool) -> bool:
+def _any_live(live: bool, ep_group) -> bool:
     """Whether another turn is generated: this rank's answer, or with expert parallelism any EP rank's
     (their ``generate`` calls step together)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_expert_model_parallel_world_size() <= 1:
+    if ep_group is None:
         return live
     flag = torch.tensor([float(live)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.get_expert_model_parallel_group())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ep_group)
     return bool(flag.item() > 0)

@@ -7,10 +7,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.sampling import SampleOutput
 
 
-def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.device,
+def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.device, groups: ReplicaGroups,
                pipeline: bool = True) -> SampleOutput:
     """The last pipeline stage's TP rank 0 result, on every TP and PP rank of this model replica
     (``pipeline=False``: on the last stage's TP ranks only; the overlapped pipeline sends it on).
@@ -20,13 +21,11 @@ def share_step(out: Optional[SampleOutput], batch_size: int, device: torch.devic
     assumption (kernels may differ across devices). The PP broadcast hands the tokens to the
     earlier stages, which have no logits. ``out`` is None on ranks that did not sample.
     """
-    from megatron.core import parallel_state as ps
-
     packed = pack(out) if out is not None else torch.empty((3, batch_size), dtype=torch.float64, device=device)
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(packed, ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
-    if pipeline and ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(packed, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    if groups.last and groups.tp_size > 1:
+        dist.broadcast(packed, groups.tp_src, group=groups.tp)
+    if pipeline and groups.pp_size > 1:
+        dist.broadcast(packed, groups.pp_ranks[-1], group=groups.pp)
     return unpack(packed)
 
 

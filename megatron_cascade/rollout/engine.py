@@ -86,10 +86,9 @@ class PagedGenerator:
     def __init__(self, model: torch.nn.Module, samples: list[RolloutSample], budgets: list[int],
                  params: SamplingParams, tokenizer: Tokenizer, kv_cache: KVCacheConfig,
                  on_finished: Optional[OnFinished] = None, overlap_pipeline_stages: bool = False) -> None:
-        from megatron.core import parallel_state as ps
-
         self.overlap = overlap_pipeline_stages
         self.forward = StageForward(model)
+        self.groups = self.forward.groups
         self.samples, self.budgets, self.params = samples, budgets, params
         self.vocab_size = tokenizer.vocab_size
         self.stop = StopCriteria(params, tokenizer)
@@ -100,8 +99,8 @@ class PagedGenerator:
         self.queue: deque[list[int]] = deque(_groups(samples))
         self.reserve_full_response = kv_cache.reserve_full_response
         self._admissions = 0
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self.pp_size = self.groups.pp_size
+        self.ep_group = self.groups.ep
         self.lanes: list[_Lane] = []
         self.stats = GenerationStats()
         if samples:
@@ -109,12 +108,13 @@ class PagedGenerator:
 
     def _build(self, kv_cache: KVCacheConfig) -> None:
         _check_paged_attention()
-        layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens)
+        layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens, self.groups.tp_size)
         self.layout = layout
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
         expected = [len(s.prompt_ids) + kv_cache.expected_response_fraction * b for s, b in zip(self.samples, self.budgets)]
-        capacity = cache_capacity(kv_cache, layout, self.device, needed=sum(self.reserve), largest=max(self.reserve),
+        capacity = cache_capacity(kv_cache, layout, self.device, self.groups, needed=sum(self.reserve),
+                                  largest=max(self.reserve),
                                   requests=len(self.samples),
                                   expected_blocks=layout.blocks_for(math.ceil(sum(expected) / len(expected))))
         usable = capacity.blocks
@@ -127,8 +127,8 @@ class PagedGenerator:
             max_requests = min(len(self.samples), share, max(1, capacity.slots // lanes))
             max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
-            ctx = build_context(self.forward.gpt, layout, share, _round_up(max_requests, tp), _round_up(max_tokens, tp),
-                                max(lengths))
+            ctx = build_context(self.forward.gpt, layout, self.groups, share, _round_up(max_requests, tp),
+                                _round_up(max_tokens, tp), max(lengths))
             self.lanes.append(_Lane(ctx, share))
             self.stats.kv_cache_bytes += cache_bytes(ctx)
 
@@ -168,7 +168,7 @@ class PagedGenerator:
             self.stats.steps += 1
             if has_work:
                 order, rows, sources, children, logits = self._forward_lane(lane, async_send=False)
-                out = share_step(self._sample(logits, rows, sources), len(rows), self.device)
+                out = share_step(self._sample(logits, rows, sources), len(rows), self.device, self.groups)
                 self._apply(lane, order, rows, children, out)
             else:
                 self.stats.dummy_steps += 1
@@ -199,7 +199,8 @@ class PagedGenerator:
                 self.stats.steps += 1
                 order, rows, sources, children, logits = self._forward_lane(lane, async_send=True, pending=pending)
                 if self.forward.last:
-                    out = share_step(self._sample(logits, rows, sources), len(rows), self.device, pipeline=False)
+                    out = share_step(self._sample(logits, rows, sources), len(rows), self.device, self.groups,
+                                     pipeline=False)
                     pending.extend(self.forward.send_tokens(out))
                     self._apply(lane, order, rows, children, out)
                 else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.params import KVCacheConfig
 
 
@@ -56,12 +57,9 @@ class CacheCapacity:
     slots: int
 
 
-def kv_layout(gpt: torch.nn.Module, block_size_tokens: int) -> KVLayout:
-    """The generation-cache layout of this rank's ``GPTModel`` / ``MambaModel`` stage."""
-    from megatron.core import parallel_state as ps
-
+def kv_layout(gpt: torch.nn.Module, block_size_tokens: int, tp: int) -> KVLayout:
+    """The generation-cache layout of this rank's ``GPTModel`` / ``MambaModel`` stage at tensor-parallel size ``tp``."""
     cfg = gpt.config
-    tp = ps.get_tensor_model_parallel_world_size()
     groups = cfg.num_query_groups or cfg.num_attention_heads
     if groups % tp:
         raise ValueError(f"model.num_query_groups={groups} is not divisible by tensor parallel size {tp}")
@@ -112,8 +110,8 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, *, needed: int, largest: int,
-                   requests: int, expected_blocks: int) -> CacheCapacity:
+def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, groups: ReplicaGroups, *,
+                   needed: int, largest: int, requests: int, expected_blocks: int) -> CacheCapacity:
     """Blocks and request slots to allocate: what the budget buys, at most what the call can use,
     agreed on (MIN) by every rank of the model-parallel group (TP ranks and PP stages must admit
     the same requests).
@@ -131,18 +129,13 @@ def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, *
     Raises:
         ValueError: the budget cannot hold ``largest`` blocks and one slot (that request could never run).
     """
-    from megatron.core import parallel_state as ps
-
     budget = budget_bytes(cfg, device)
     slots = requests
     if layout.state_bytes:
         slots = max(1, min(requests, budget // (layout.state_bytes + expected_blocks * layout.block_bytes)))
     # One block is Megatron's dummy block (padding tokens write there).
     affordable = (budget - slots * layout.state_bytes) // layout.block_bytes - 1
-    agreed = torch.tensor([min(affordable, needed), slots], dtype=torch.int64, device=device)
-    if dist.is_initialized() and ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
-    blocks, slots = (int(v) for v in agreed.tolist())
+    blocks, slots = groups.agree_min([min(affordable, needed), slots], device)
     if blocks < largest:
         state = f" and {layout.state_bytes} bytes of Mamba state per request" if layout.state_bytes else ""
         raise ValueError(
@@ -156,7 +149,9 @@ def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, *
 def static_row_bytes(gpt: torch.nn.Module, row_tokens: int) -> int:
     """Bytes one row of a static generation batch holds on this rank (``rollout/static.py``): the K/V of ``row_tokens`` positions in each attention layer of this
     stage (its TP share of the KV heads) plus each Mamba layer's conv and SSM state."""
-    layout = kv_layout(gpt, block_size_tokens=1)
+    from megatron_cascade.rollout.groups import replica_groups
+
+    layout = kv_layout(gpt, block_size_tokens=1, tp=replica_groups(gpt).tp_size)
     return layout.block_bytes * row_tokens + layout.state_bytes
 
 
@@ -168,13 +163,10 @@ def static_batch_rows(gpt: torch.nn.Module, cfg: KVCacheConfig, device: torch.de
     Raises:
         ValueError: not even one row fits the budget.
     """
-    from megatron.core import parallel_state as ps
+    from megatron_cascade.rollout.groups import replica_groups
 
     per_row = static_row_bytes(gpt, row_tokens)
-    rows = torch.tensor([budget_bytes(cfg, device) // max(per_row, 1)], dtype=torch.int64, device=device)
-    if dist.is_initialized() and ps.model_parallel_is_initialized() and ps.get_model_parallel_group().size() > 1:
-        dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=ps.get_model_parallel_group())
-    count = int(rows.item())
+    count, = replica_groups(gpt).agree_min([budget_bytes(cfg, device) // max(per_row, 1)], device)
     if count < 1:
         raise ValueError(
             f"the generation cache budget cannot hold one row of {row_tokens} tokens ({per_row} bytes of "

@@ -59,18 +59,17 @@ class StepRunner:
     """Runs generation steps for one ``PaddedBatch`` on this rank's pipeline stage."""
 
     def __init__(self, model: torch.nn.Module, batch: PaddedBatch, use_kv_cache: bool) -> None:
-        from megatron.core import parallel_state as ps
+        from megatron_cascade.rollout.groups import replica_groups
 
         self.model = model
         self.gpt = unwrap_model(model)
+        self.groups = replica_groups(self.gpt)
         self.batch = batch
         self.use_kv_cache = use_kv_cache
         self.context = self._new_context() if use_kv_cache else None
-        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self._prev_rank = ps.get_pipeline_model_parallel_prev_rank() if self.pp_size > 1 else None
-        self._next_rank = ps.get_pipeline_model_parallel_next_rank() if self.pp_size > 1 else None
+        self.first_stage, self.last_stage = self.groups.first, self.groups.last
+        self.pp_size = self.groups.pp_size
+        self._prev_rank, self._next_rank = self.groups.prev, self.groups.next
         self.mamba_padding = MambaPaddingMask(self.gpt) if batch.padded and is_hybrid(model) else None
 
     def close(self) -> None:

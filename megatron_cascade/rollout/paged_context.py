@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
+from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.kv_budget import KVLayout
 
 
@@ -69,8 +70,8 @@ class PagedContext(DynamicInferenceContext):
         return self.request_ids[self.paused_request_count:self.total_request_count].tolist()
 
 
-def build_context(gpt: torch.nn.Module, layout: KVLayout, blocks: int, max_requests: int, max_tokens: int,
-                  max_sequence_length: int) -> PagedContext:
+def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups, blocks: int, max_requests: int,
+                  max_tokens: int, max_sequence_length: int) -> PagedContext:
     """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block) and
     ``max_requests`` request slots, for this rank's stage ``gpt`` (a hybrid model's slots also hold
     each Mamba layer's conv and SSM state: Megatron's ``MambaInferenceStateConfig``).
@@ -78,7 +79,6 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, blocks: int, max_reque
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_mamba_inference_state_config_from_model
 
     # Megatron sizes the pool as buffer // (block + one request's Mamba state); the half guards rounding.
@@ -87,7 +87,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, blocks: int, max_reque
         params_dtype=layout.dtype,
         num_layers=layout.layers,
         kv_channels=layout.head_dim,
-        num_attention_heads=layout.kv_heads * ps.get_tensor_model_parallel_world_size(),
+        num_attention_heads=layout.kv_heads * groups.tp_size,
         max_sequence_length=max_sequence_length,
         buffer_size_gb=buffer_bytes / 1024**3,
         max_requests=max_requests,
@@ -97,6 +97,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, blocks: int, max_reque
         mamba_inference_state_config=get_mamba_inference_state_config_from_model(gpt) if layout.state_bytes else None,
         use_cuda_graphs_for_non_decode_steps=False,
         unified_memory_level=0,
+        pg_collection=gpt.pg_collection,
     )
     if ctx.block_allocator.total_count != blocks + 1:
         raise RuntimeError(f"context has {ctx.block_allocator.total_count} blocks, wanted {blocks + 1}")

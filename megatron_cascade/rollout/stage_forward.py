@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.rollout.comm import pack, unpack
+from megatron_cascade.rollout.groups import replica_groups
 from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.rollout.sampling import SampleOutput
 
@@ -31,16 +32,12 @@ class StageForward:
     """Forwards of the model chunk on this rank (first, middle or last pipeline stage)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from megatron.core import parallel_state as ps
-
         self.model = model
         self.gpt = unwrap_model(model)
-        self.first = ps.is_pipeline_first_stage(ignore_virtual=True)
-        self.last = ps.is_pipeline_last_stage(ignore_virtual=True)
-        pp = ps.get_pipeline_model_parallel_world_size()
-        self._prev = ps.get_pipeline_model_parallel_prev_rank() if pp > 1 else None
-        self._next = ps.get_pipeline_model_parallel_next_rank() if pp > 1 else None
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.groups = replica_groups(self.gpt)
+        self.first, self.last = self.groups.first, self.groups.last
+        self._prev, self._next = self.groups.prev, self.groups.next
+        self.tp_size = self.groups.tp_size
         self.device = next(self.gpt.parameters()).device
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, context,
@@ -69,20 +66,14 @@ class StageForward:
 
     def send_tokens(self, out: SampleOutput) -> list:
         """Last stage: this step's tokens to every other stage (non-blocking sends, to be waited on)."""
-        from megatron.core import parallel_state as ps
-
         packed = pack(out)
-        group = ps.get_pipeline_model_parallel_group()
         me = dist.get_rank()
-        return [_Pending(dist.isend(packed, rank), packed) for rank in dist.get_process_group_ranks(group)
-                if rank != me]
+        return [_Pending(dist.isend(packed, rank), packed) for rank in self.groups.pp_ranks if rank != me]
 
     def recv_tokens(self, batch_size: int) -> SampleOutput:
         """Other stages: the tokens the last stage sent for a step of ``batch_size`` rows."""
-        from megatron.core import parallel_state as ps
-
         packed = torch.empty((3, batch_size), dtype=torch.float64, device=self.device)
-        dist.recv(packed, ps.get_pipeline_model_parallel_last_rank())
+        dist.recv(packed, self.groups.pp_ranks[-1])
         return unpack(packed)
 
     def dummy(self) -> None:

@@ -78,11 +78,11 @@ class _ExpertLockstep:
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Optional["_ExpertLockstep"]:
         """The lockstep of ``model``'s EP group, or None without expert parallelism."""
-        from megatron.core import parallel_state as ps
+        from megatron_cascade.rollout.groups import replica_groups
+        from megatron_cascade.rollout.model_runner import unwrap_model
 
-        if ps.get_expert_model_parallel_world_size() == 1:
-            return None
-        return cls(model, ps.get_expert_model_parallel_group())
+        group = replica_groups(unwrap_model(model)).ep
+        return None if group is None else cls(model, group)
 
     def _any(self, has_work: bool) -> bool:
         flag = torch.tensor([int(has_work)], dtype=torch.int64, device=self.device)
@@ -131,7 +131,7 @@ def _decode_loop(runner: StepRunner, batch: PaddedBatch, group: list[int], sampl
             positions = torch.full_like(keys, column - batch.prompt_width)
             noise = None if params.greedy else gumbel_noise(keys, positions, logits.shape[-1])
             local = sample(logits, params, vocab_size, None, gumbel=noise)
-        out = share_step(local, batch.batch_size, batch.tokens.device)
+        out = share_step(local, batch.batch_size, batch.tokens.device, runner.groups)
         batch.append(column, out.tokens)
         active -= _record(out, group, samples, active, stop, batch.budgets, on_finished)
         if not active:

@@ -88,7 +88,7 @@ def _tight_budget(model):
     from megatron_cascade.rollout import KVCacheConfig
     from megatron_cascade.rollout.kv_budget import kv_layout
 
-    layout = kv_layout(model, block_size_tokens=8)
+    layout = kv_layout(model, block_size_tokens=8, tp=1)
     longest = layout.blocks_for(max(len(p) for p in PROMPTS) + GREEDY.max_new_tokens)
     return KVCacheConfig(kv_cache_bytes=(longest + 1) * layout.block_bytes + 2 * layout.state_bytes,
                          block_size_tokens=8, expected_response_fraction=0.1)
