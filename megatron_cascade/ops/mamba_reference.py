@@ -41,6 +41,12 @@ def _discretize_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor], dt_softplu
     return dt
 
 
+def _zero_outside(t: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    """``t`` [b, l, ...] with the rows of no sequence (``seq_idx`` [b, l] < 0) set to 0."""
+    outside = (seq_idx < 0).view(*seq_idx.shape, *([1] * (t.dim() - 2)))
+    return torch.where(outside, torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              chunk_size: int, *, initial_states: Optional[torch.Tensor] = None,
              seq_idx: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +68,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     if seq_idx is None:
         seq_idx = torch.zeros(b, l, dtype=torch.int64, device=x.device)
     seq_idx = seq_idx.long()
+    # seq_idx < 0: rows of no sequence (Megatron's inference scratch rows, uninitialised, possibly
+    # NaN): zeroed with where, as the kernels' masked loads do, since masks multiply (NaN * 0 = NaN).
+    x, dt, B, C = (_zero_outside(t, seq_idx) for t in (x, dt, B, C))
     if pad:
         # Padding tokens have dt = 0 (no decay, no input) and the last sequence's index.
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -165,6 +174,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """
     b, d, l = x.shape
     w = weight.shape[-1]
+    if seq_idx is not None:  # rows of no sequence (< 0) may hold anything: zeroed (see ssd_scan)
+        x = _zero_outside(x.transpose(1, 2), seq_idx).transpose(1, 2)
     history = x.new_zeros(b, d, w - 1) if initial_states is None else initial_states.to(x.dtype)
     padded = torch.cat([history, x], dim=-1)
     windows = padded.unfold(-1, w, 1)  # [b, d, l, w]: taps t-(w-1) .. t
@@ -173,7 +184,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if initial_states is not None:
             idx[:, : w - 1] = seq_idx[:, :1].long()  # ... unless given: they continue the first one
         same = idx.unfold(-1, w, 1) == seq_idx.long().unsqueeze(-1)  # [b, l, w]
-        windows = windows * same.unsqueeze(1).to(windows.dtype)
+        windows = torch.where(same.unsqueeze(1), windows, torch.zeros((), dtype=windows.dtype, device=x.device))
     out = (windows * weight.unsqueeze(1)).sum(-1)
     if bias is not None:
         out = out + bias.unsqueeze(-1)

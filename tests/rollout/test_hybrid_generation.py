@@ -12,6 +12,9 @@ of each prompt + response alone. Prompts of four lengths, n = 2 samples per prom
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -72,14 +75,66 @@ def _single_worker(weights_dir):
         # Two requests at most at once in the blocks of the longest: preempted (state slot freed,
         # prefilled again from prompt + response) as they grow.
         tight = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=_tight_budget(model))
+        # Three state slots for groups of two, and the longest prompt's samples cut after 3 tokens by the
+        # sequence limit: requests join while others decode, so steps mix decode and prefill requests
+        # (with the scratch rows Megatron leaves uninitialised NaN, as they may be on a GPU).
+        limit = len(PROMPTS[2]) + 3
+        with _uninitialised_memory_is_nan(), _counting_mixed_steps() as mixed:
+            three = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=_three_slots(model),
+                             max_sequence_length=limit)
+        three_ref = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=False, max_sequence_length=limit)
         result[name] = dict(paged=_tokens(paged), static=_tokens(static), recomputed=_tokens(recomputed),
-                            tight=_tokens(tight), tight_stats=vars(tight.stats), paged_stats=vars(paged.stats),
+                            tight=_tokens(tight), three=_tokens(three), three_ref=_tokens(three_ref),
+                            three_logprobs=([s.response_logprobs for s in three],
+                                            [s.response_logprobs for s in three_ref]), mixed_steps=mixed[0],
+                            tight_stats=vars(tight.stats), paged_stats=vars(paged.stats),
                             logprobs={k: [s.response_logprobs for s in b] for k, b in
                                       (("paged", paged), ("static", static), ("recomputed", recomputed),
                                        ("tight", tight))},
                             forced=_teacher_forced_logprobs(model, paged))
     result["budget"] = _budget_checks(model)
     return result
+
+
+def _uninitialised_memory_is_nan():
+    """``torch.empty_like`` filled with NaN: Megatron's mixed decode + prefill Mamba step leaves the rows
+    of a scratch tensor it does not use uninitialised (garbage, NaN on a GPU as likely as not); they
+    must not reach the rows it does use."""
+    empty_like = torch.empty_like
+
+    def nan_empty_like(t, *args, **kwargs):
+        out = empty_like(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    return mock.patch.object(torch, "empty_like", nan_empty_like)
+
+
+@contextlib.contextmanager
+def _counting_mixed_steps():
+    """Counts the Mamba layer calls whose step holds decode and prefill requests at once."""
+    from megatron.core.ssm import mamba_mixer
+
+    count = [0]
+    original = mamba_mixer.MambaMixer._dynamic_inference
+
+    def counted(self, hidden_states, context):
+        dims = context.padded_batch_dimensions
+        count[0] += bool(dims.decode_req_count and dims.prefill_req_count)
+        return original(self, hidden_states, context)
+
+    with mock.patch.object(mamba_mixer.MambaMixer, "_dynamic_inference", counted):
+        yield count
+
+
+def _three_slots(model):
+    """Room for three requests at their longest (expected = longest), state slots included."""
+    from megatron_cascade.rollout import KVCacheConfig
+    from megatron_cascade.rollout.kv_budget import kv_layout
+
+    layout = kv_layout(model, block_size_tokens=8, tp=1)
+    longest = layout.blocks_for(max(len(p) for p in PROMPTS) + GREEDY.max_new_tokens)
+    return KVCacheConfig(kv_cache_bytes=3 * (layout.state_bytes + longest * layout.block_bytes) + layout.block_bytes,
+                         block_size_tokens=8, expected_response_fraction=1.0)
 
 
 def _tight_budget(model):
@@ -142,6 +197,17 @@ def test_cached_ssm_state_equals_full_recompute(single, name, engine):
         assert max(abs(a - b) for a, b in zip(cached, forced, strict=True)) < 1e-5
     # The test would prove little if the responses were all the same token.
     assert len({tuple(t) for t in result["paged"]}) > 2 and all(len(set(t)) > 1 for t in result["paged"])
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_steps_mixing_decode_and_prefill_equal_the_recompute(single, name):
+    """Megatron's mixed Mamba step splits the packed tokens into decode and prefill parts through
+    scratch tensors whose unused rows are uninitialised; NaN there must not reach a used row."""
+    result = single[1][name]
+    assert result["mixed_steps"] > 0
+    assert result["three"] == result["three_ref"]
+    for cached, recomputed in zip(*result["three_logprobs"], strict=True):
+        assert max(abs(a - b) for a, b in zip(cached, recomputed, strict=True)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["greedy", "sampled"])
