@@ -11,12 +11,14 @@ A prompt's ``n`` samples share one prefill: the prompt enters as one request, it
 first token of each sample admitted with it, and the context forks the request into copies of its
 KV blocks (``PagedContext.fork``) before the step's bookkeeping.
 
-Memory (KV on demand): a request is admitted when the free blocks hold its tokens so far plus
-the next one (every sample admitted with a prompt counts, for the forks); later blocks are taken
-one at a time as its response grows. When a step's requests need more new blocks than are free,
-the most recently admitted requests are preempted (vLLM's recompute policy): their blocks are
-freed and they go back to the front of the queue with their tokens so far, to be prefilled again
-from prompt + response when blocks free up. Their sampled tokens do not change: sampling noise is
+Memory (KV on demand): blocks are taken one at a time as a response grows. A request is admitted
+when the free blocks, less those the live requests still need to reach their expected length
+(``KVCacheConfig.expected_response_fraction`` of their response budget), hold it at its expected
+length (every sample admitted with a prompt counts, for the forks). When a step's requests need
+more new blocks than are free (responses longer than expected), the most recently admitted
+requests are preempted (vLLM's recompute policy): their blocks are freed and they go back to the
+front of the queue with their tokens so far, to be prefilled again from prompt + response when
+blocks free up. Their sampled tokens do not change: sampling noise is
 a hash of (seed, prompt, sample, position), never of the batch (``noise.py``); their log-probs
 change by float rounding only (a prefill instead of decode steps). The oldest request is never
 preempted, so every call finishes as long as one request fits the budget at its longest (checked
@@ -112,11 +114,12 @@ class PagedGenerator:
         self.layout = layout
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
-        expected = [len(s.prompt_ids) + kv_cache.expected_response_fraction * b for s, b in zip(self.samples, self.budgets)]
+        # Blocks of each sample at its expected length: what admission keeps free for it to grow into.
+        self.expected = [layout.blocks_for(len(s.prompt_ids) + math.ceil(kv_cache.expected_response_fraction * b))
+                         for s, b in zip(self.samples, self.budgets)]
         capacity = cache_capacity(kv_cache, layout, self.device, self.groups, needed=sum(self.reserve),
-                                  largest=max(self.reserve),
-                                  requests=len(self.samples),
-                                  expected_blocks=layout.blocks_for(math.ceil(sum(expected) / len(expected))))
+                                  largest=max(self.reserve), requests=len(self.samples),
+                                  expected_blocks=math.ceil(sum(self.expected) / len(self.expected)))
         usable = capacity.blocks
         lanes = self._lane_count(usable, max(self.reserve))
         # A preempted request is prefilled again from prompt + response: the step must hold the longest.
@@ -221,16 +224,19 @@ class PagedGenerator:
         (preempted requests wait at the front), so the order of admission is deterministic.
 
         A waiting group is a prompt's samples (one prefill, then forks) or one preempted sample
-        (prefilled again from its prompt + response so far). On demand, each sample admitted
-        needs the blocks of those tokens plus the next one; with ``reserve_full_response``, the
-        blocks of its whole budget, held until it finishes.
+        (prefilled again from its prompt + response so far). On demand, each sample admitted needs
+        the blocks of its expected length (at least its tokens so far plus the next one) out of the
+        free blocks less those promised to the live requests up to their expected lengths; with
+        ``reserve_full_response``, the blocks of its whole budget, held until it finishes.
         """
         from megatron.core.inference.inference_request import DynamicInferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
 
         ctx = lane.ctx
         pending_forks = 0
-        pending_blocks = 0  # blocks the forks of this round's prefills will take in ``_apply``
+        # Blocks already promised: the forks of this round's prefills (taken in ``_apply``) and what the
+        # live requests still need to reach their expected length.
+        promised = 0 if self.reserve_full_response else sum(self._growth(i) for i in lane.admitted)
         while self.queue:
             group = self.queue[0]
             first = group[0]
@@ -242,8 +248,8 @@ class PagedGenerator:
             if self.reserve_full_response:
                 fits = (lane.usable - lane.reserved) // self.reserve[first]
             else:
-                free = ctx.block_allocator.total_avail - pending_blocks
-                fits = free // self.layout.blocks_for(len(tokens) + 1)
+                need = max(self.layout.blocks_for(len(tokens) + 1), self.expected[first])
+                fits = (ctx.block_allocator.total_avail - promised) // need
             take = min(len(group), slots, fits)
             if take == 0:
                 return
@@ -265,7 +271,13 @@ class PagedGenerator:
             lane.reserved += sum(self.reserve[i] for i in admitted)
             lane.forks[first] = admitted[1:]
             pending_forks += take - 1
-            pending_blocks += (take - 1) * self.layout.blocks_for(len(tokens))
+            if not self.reserve_full_response:
+                promised += (take - 1) * self.layout.blocks_for(len(tokens)) + sum(self._growth(i) for i in admitted)
+
+    def _growth(self, index: int) -> int:
+        """Blocks sample ``index`` still needs to reach its expected length (0 once past it)."""
+        s = self.samples[index]
+        return max(0, self.expected[index] - self.layout.blocks_for(len(s.prompt_ids) + len(s.response_ids) + 1))
 
     def _forward_lane(self, lane: _Lane, async_send: bool, pending: Optional[list] = None):
         """This stage's forward of one step of ``lane``. Returns the step's request order, the rows
