@@ -294,3 +294,23 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+
+
+@dataclass
+class DecodeParallelConfig:
+    """``rollout.parallel``: the layout of an inference-only copy of the policy that generates the
+    rollouts (``rollout/decode_layout.py``), refit from the training model in memory after every
+    optimizer step. It has no pipeline or context parallelism; data parallelism is what the world
+    size leaves. Unset (null): generation runs on the training model, at the training layout."""
+
+    tensor_model_parallel_size: int = ranged(1, ge=1)
+    expert_model_parallel_size: int = ranged(1, ge=1)
+    expert_tensor_parallel_size: Optional[int] = ranged(None, ge=1)  # null = tensor_model_parallel_size
+
+    def as_parallel(self) -> ParallelConfig:
+        """The ``ParallelConfig`` the decode copy is built with. Sequence parallelism is on with TP > 1
+        only because Megatron refuses MoE + TP without it in the model config; generation runs with
+        it off (``rollout/stage_forward.sequence_parallel_off``)."""
+        tp = self.tensor_model_parallel_size
+        return ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=self.expert_model_parallel_size,
+                              expert_tensor_parallel_size=self.expert_tensor_parallel_size, sequence_parallel=tp > 1)

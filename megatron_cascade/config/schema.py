@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from megatron_cascade.config.model import ModelConfig, ParallelConfig
+from megatron_cascade.config.model import DecodeParallelConfig, ModelConfig, ParallelConfig
 from megatron_cascade.config.rules import Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
@@ -68,6 +68,9 @@ class RolloutConfig:
     # Expected response length / max_new_tokens: sizes a hybrid model's Mamba state slots in generation
     # and the dry run's samples decoding at once (KV is taken on demand, so the mean length, not the cap).
     expected_response_fraction: float = ranged(0.5, gt=0, le=1)
+    # A decode layout: generation on an inference-only copy of the policy at this layout (TP, EP, ETP;
+    # no PP or CP), refit in memory after every optimizer step. null: generate at the training layout.
+    parallel: Optional[DecodeParallelConfig] = None
 
     def validate(self, prefix: str = "rollout.") -> None:
         """Rules between the rollout fields (``ConfigError`` naming the keys)."""

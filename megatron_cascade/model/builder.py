@@ -187,13 +187,20 @@ def decoder_block_spec(config, normalization: str):
     return local_decoder_block_spec(config, normalization)
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
+                pg_collection=None):
     """The model ``model.architecture`` names, for this rank's pipeline stage: ``GPTModel`` (gpt) or
     ``MambaModel`` (hybrid). Both take the same forward arguments and return [batch, seq, vocab / TP]
-    logits, so training, generation and checkpoints treat them alike."""
+    logits, so training, generation and checkpoints treat them alike.
+
+    ``pg_collection``: the process groups of another layout than the training one (a decode copy,
+    ``rollout/decode_layout.py``; ``parallel`` must describe it, without pipeline stages); None:
+    Megatron's parallel state."""
+    if pg_collection is not None and parallel.pipeline_model_parallel_size != 1:
+        raise ValueError("a model on its own process groups is built without pipeline stages here")
     if model.architecture == "hybrid":
-        return build_hybrid_model(model, parallel, vp_stage=vp_stage)
-    return _build_gpt(model, parallel, vp_stage=vp_stage)
+        return build_hybrid_model(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection)
+    return _build_gpt(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection)
 
 
 # Callers written before the hybrid architecture build through this name: it builds what the config names.
@@ -208,7 +215,8 @@ def hybrid_stack_spec(config, model: ModelConfig):
     return local_hybrid_stack_spec(config, model.hybrid)
 
 
-def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
+                       pg_collection=None):
     """A ``MambaModel`` with ``model.hybrid.layer_pattern`` for this rank's pipeline stage (Megatron
     parallel state must be initialised; PP splits the layers evenly, no virtual pipeline).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP]."""
@@ -225,21 +233,22 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
         mamba_stack_spec=hybrid_stack_spec(config, model),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=pg_collection is not None or parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=pg_collection is not None or parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         hybrid_override_pattern=model.hybrid.layer_pattern,
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type=model.position_embedding_type,
         rotary_percent=model.rotary_percent,
         rotary_base=int(model.rotary_base),
+        pg_collection=pg_collection,
     )
     if not torch.cuda.is_available():
         return mamba
     return mamba.cuda(torch.cuda.current_device())
 
 
-def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None):
+def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None, pg_collection=None):
     """A ``GPTModel`` for this rank's pipeline stage (Megatron parallel state must be initialised).
 
     Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise;
@@ -257,14 +266,15 @@ def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | 
         transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=pg_collection is not None or parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=pg_collection is not None or parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type=model.position_embedding_type,
         rotary_percent=model.rotary_percent,
         rotary_base=int(model.rotary_base),
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     if not torch.cuda.is_available():
         return gpt

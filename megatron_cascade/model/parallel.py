@@ -35,11 +35,12 @@ class Layout:
 
 
 def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int, *,
-                   check_this_machine: bool = True) -> Layout:
+                   check_this_machine: bool = True, prefix: str = "parallel.") -> Layout:
     """Check ``parallel`` against ``model`` and ``world_size``; raise ``ConfigError`` naming the key.
 
     ``check_this_machine=False`` skips the checks of what this machine can run (Transformer
     Engine, CUDA): a dry run plans for a cluster from a laptop.
+    ``prefix``: where the sizes live in the config (``rollout.parallel.`` for a decode layout).
     Returns the resolved layout (data-parallel size is what the other sizes leave).
     """
     tp = parallel.tensor_model_parallel_size
@@ -55,27 +56,27 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         ("expert_tensor_parallel_size", etp),
     ]:
         if value < 1:
-            raise ConfigError(f"parallel.{key}={value} must be >= 1")
-    _check_divides("parallel.tensor_model_parallel_size", tp, "model.num_attention_heads", model.num_attention_heads)
+            raise ConfigError(f"{prefix}{key}={value} must be >= 1")
+    _check_divides(f"{prefix}tensor_model_parallel_size", tp, "model.num_attention_heads", model.num_attention_heads)
     groups = model.num_query_groups or model.num_attention_heads
-    _check_divides("parallel.tensor_model_parallel_size", tp, "model.num_query_groups", groups)
-    _check_divides("parallel.tensor_model_parallel_size", tp, "padded vocab size", model.padded_vocab_size,
+    _check_divides(f"{prefix}tensor_model_parallel_size", tp, "model.num_query_groups", groups)
+    _check_divides(f"{prefix}tensor_model_parallel_size", tp, "padded vocab size", model.padded_vocab_size,
                    hint="raise model.make_vocab_size_divisible_by to a multiple of the TP size")
-    _check_divides("parallel.pipeline_model_parallel_size", pp, "model.num_layers", model.num_layers)
+    _check_divides(f"{prefix}pipeline_model_parallel_size", pp, "model.num_layers", model.num_layers)
     validate_hybrid_layout(model, tp, cp)
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
-            f"= {tp} x {pp} x {cp} = {model_parallel}; change the number of processes or the parallel.* sizes"
+            f"= {tp} x {pp} x {cp} = {model_parallel}; change the number of processes or the {prefix}* sizes"
         )
     dp = world_size // model_parallel
     if ep > 1 or model.moe.num_experts:
         if not model.moe.num_experts:
             raise ConfigError(
-                f"parallel.expert_model_parallel_size={ep} needs an MoE model (model.moe.num_experts is null)"
+                f"{prefix}expert_model_parallel_size={ep} needs an MoE model (model.moe.num_experts is null)"
             )
-        _check_divides("parallel.expert_model_parallel_size", ep, "model.moe.num_experts", model.moe.num_experts)
+        _check_divides(f"{prefix}expert_model_parallel_size", ep, "model.moe.num_experts", model.moe.num_experts)
     expert_model_parallel = etp * ep * pp
     if world_size % expert_model_parallel:
         raise ConfigError(
@@ -84,7 +85,7 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         )
     if model.moe.num_experts and tp > 1 and not parallel.sequence_parallel:
         raise ConfigError(
-            f"an MoE model with parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
+            f"an MoE model with {prefix}tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
             "(Megatron-Core refuses MoE + TP without SP in training)"
         )
     if parallel.sequence_parallel and tp == 1:
@@ -127,3 +128,42 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_mi
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def build_decode_process_groups(layout: Layout, timeout_minutes: float | None = None):
+    """The ``ProcessGroupCollection`` of a decode layout (``rollout.parallel``, no PP or CP): TP and
+    expert groups over the same world as the training layout, ranks in Megatron's order (TP fastest,
+    then DP; experts: ETP, EP, expert-DP). Collective: every rank must call it, in the same order.
+
+    After Megatron-LM's ``build_inference_pg_collection`` (``megatron/rl/parallel_utils.py``).
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_cascade.config.schema import DistributedConfig
+
+    if layout.pp != 1 or layout.cp != 1:
+        raise ValueError(f"a decode layout has no pipeline or context parallelism (PP={layout.pp}, CP={layout.cp})")
+    timeout = datetime.timedelta(minutes=timeout_minutes or DistributedConfig().timeout_minutes)
+    dense = HyperCommGrid([layout.tp, 1, layout.dp, 1], ["tp", "cp", "dp", "pp"])
+    expert = HyperCommGrid([layout.etp, layout.ep, layout.expert_dp, 1], ["tp", "ep", "dp", "pp"])
+
+    def dense_group(dims):
+        return dense.create_pg(dims, timeout=timeout)
+
+    pgs = dict(tp=dense_group("tp"), cp=dense_group("cp"), pp=dense_group("pp"), dp=dense_group("dp"),
+               mp=dense_group(["tp", "pp"]), tp_cp=dense_group(["tp", "cp"]), dp_cp=dense_group(["cp", "dp"]),
+               tp_dp_cp=dense_group(["tp", "cp", "dp"]), ep=expert.create_pg("ep", timeout=timeout),
+               expt_tp=expert.create_pg("tp", timeout=timeout), expt_dp=expert.create_pg("dp", timeout=timeout),
+               tp_ep=expert.create_pg(["tp", "ep"], timeout=timeout),
+               tp_ep_pp=expert.create_pg(["tp", "ep", "pp"], timeout=timeout))
+    # Without PP every rank is both ends of its pipeline: it alone embeds and computes the output.
+    me = dist.get_rank()
+    for rank in range(dist.get_world_size()):  # every rank creates every group (new_group is collective)
+        group = dist.new_group([rank], timeout=timeout)
+        if rank == me:
+            pgs["embd"], pgs["pos_embd"] = group, group
+    return ProcessGroupCollection(**pgs)

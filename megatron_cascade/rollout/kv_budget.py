@@ -65,7 +65,9 @@ def kv_layout(gpt: torch.nn.Module, block_size_tokens: int, tp: int) -> KVLayout
         raise ValueError(f"model.num_query_groups={groups} is not divisible by tensor parallel size {tp}")
     attention, states = _stage_layers(gpt)
     state_elements = sum(math.prod(conv) + math.prod(ssm) for conv, ssm in states)
-    return KVLayout(layers=attention, kv_heads=groups // tp, head_dim=cfg.kv_channels, dtype=cfg.params_dtype,
+    # Megatron's context needs an attention layer: a hybrid stage of Mamba / MoE layers only gets a
+    # phantom one (``paged_context.build_context``), whose blocks are allocated and never read.
+    return KVLayout(layers=max(attention, 1), kv_heads=groups // tp, head_dim=cfg.kv_channels, dtype=cfg.params_dtype,
                     block_size_tokens=block_size_tokens, state_bytes=state_elements * cfg.params_dtype.itemsize)
 
 

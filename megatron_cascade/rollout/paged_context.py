@@ -79,8 +79,6 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
     """
-    from megatron.core.utils import get_mamba_inference_state_config_from_model
-
     # Megatron sizes the pool as buffer // (block + one request's Mamba state); the half guards rounding.
     buffer_bytes = (blocks + 1.5) * (layout.block_bytes + layout.state_bytes)
     ctx = PagedContext(
@@ -94,7 +92,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
         max_tokens=max_tokens,
         block_size_tokens=layout.block_size_tokens,
         materialize_only_last_token_logits=True,
-        mamba_inference_state_config=get_mamba_inference_state_config_from_model(gpt) if layout.state_bytes else None,
+        mamba_inference_state_config=_mamba_state_config(gpt) if layout.state_bytes else None,
         use_cuda_graphs_for_non_decode_steps=False,
         unified_memory_level=0,
         pg_collection=gpt.pg_collection,
@@ -102,6 +100,20 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
     if ctx.block_allocator.total_count != blocks + 1:
         raise RuntimeError(f"context has {ctx.block_allocator.total_count} blocks, wanted {blocks + 1}")
     return ctx
+
+
+def _mamba_state_config(gpt: torch.nn.Module):
+    """Megatron's ``MambaInferenceStateConfig`` of this stage; a stage without attention layers gets
+    a phantom one at the end of its layer list (the context refuses to run without one)."""
+    from dataclasses import replace
+
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
+    from megatron.core.utils import get_mamba_inference_state_config_from_model
+
+    config = get_mamba_inference_state_config_from_model(gpt)
+    if Symbols.ATTENTION not in config.layer_type_list:
+        config = replace(config, layer_type_list=list(config.layer_type_list) + [Symbols.ATTENTION])
+    return config
 
 
 def cache_bytes(ctx: PagedContext) -> int:

@@ -1,0 +1,158 @@
+"""The policy's decode copy: an inference-only model at the decode layout (``rollout.parallel``), on
+its own process groups, refit from the training model in memory after every optimizer step.
+
+Training keeps the layout memory needs (PP, CP, SP); decoding wants none of it: pipeline stages
+decode in series and context parallelism cannot decode one token per request. The copy holds the
+same weights at another layout (typically TP=1 or 2, no PP, EP as training), built in the policy's
+precision, and generation runs on it (``rollout/`` reads the groups from the model). Refit is
+megatron-core's ``megatron.core.resharding.swap_model_weights`` (a plan built once, then point to
+point copies: gloo on CPU, NCCL on GPU), never a checkpoint on disk, plus what it leaves out:
+
+* parameters of the local MoE spec (``SequentialMLP``, ``...experts.local_experts.<K>...``) keep
+  their local expert index in megatron-core 0.16.1's names (only the grouped-GEMM ``weight<K>`` names
+  are globalised): every EP rank's expert K would be one replicated parameter (experts 2, 3 received
+  experts 0, 1). ``_patch_local_expert_names`` gives them their global index and the expert
+  data-parallel group as replicas (``../shared/notes/resharding_refit.md``);
+* persistent buffers (the router's ``expert_bias``) are not copied by megatron-core: copied here;
+* dtypes are not compared by megatron-core (a bf16 policy into an fp32 copy gave NaN logits):
+  refused here before the first refit;
+* the distributed optimizer with ``overlap_param_gather`` leaves other ranks' shards stale until
+  the next forward: ``finish_param_sync`` first.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_cascade.config import ModelConfig
+from megatron_cascade.config.model import DecodeParallelConfig
+from megatron_cascade.model import build_model, resolve_layout
+from megatron_cascade.model.parallel import Layout, build_decode_process_groups
+from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+class DecodeCopy:
+    """The inference-only copy of the policy at ``decode``'s layout; collective to build and refit.
+
+    Attributes:
+        layout: the decode layout (its DP size is what the world leaves after TP).
+        module: this rank's model (eval mode, no gradients), its ``pg_collection`` the decode groups.
+        refit_seconds: wall time of the last refit.
+        refit_bytes: parameter bytes this rank received in one refit (its share of the copy).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, decode: DecodeParallelConfig, *,
+                 timeout_minutes: Optional[float] = None) -> None:
+        _patch_local_expert_names()
+        parallel = decode.as_parallel()
+        self.layout: Layout = resolve_layout(model_cfg, parallel, dist.get_world_size(), check_this_machine=False,
+                                             prefix="rollout.parallel.")
+        self.groups = build_decode_process_groups(self.layout, timeout_minutes)
+        model = build_model(model_cfg, parallel, pg_collection=self.groups)
+        self.module = in_model_precision(model, model_cfg).eval()
+        for param in self.module.parameters():
+            param.requires_grad_(False)
+        self.refit_seconds = 0.0
+        self.refit_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self._checked = False
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's decode replica (0 .. DP - 1)."""
+        return dist.get_rank(self.groups.dp)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    def refit(self, policy: Policy) -> None:
+        """Copy the policy's current weights (and persistent buffers) into the copy; collective over
+        the whole job. Seconds in ``refit_seconds``."""
+        from megatron.core.resharding import swap_model_weights
+
+        start = time.perf_counter()
+        finish_param_sync(policy)
+        source = policy.module
+        if not self._checked:
+            _check_dtypes(unwrap(source), unwrap(self.module))
+            self._checked = True
+        with torch.no_grad():
+            swap_model_weights(source, self.module, "nccl" if torch.cuda.is_available() else "gloo")
+            _copy_persistent_buffers(unwrap(source), unwrap(self.module))
+        self.refit_seconds = time.perf_counter() - start
+
+
+def _check_dtypes(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Every parameter dtype of the copy equals the policy's (the resharding copy does not cast)."""
+    mine = {p.dtype for p in source.parameters()} | {p.dtype for p in target.parameters()}
+    if len(mine) > 1:
+        raise RuntimeError(f"decode copy and policy hold parameters of several dtypes {sorted(map(str, mine))}: "
+                           "the copy must be built in the policy's precision (model.precision)")
+
+
+def _copy_persistent_buffers(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Persistent buffers (the MoE router's ``expert_bias``) of the policy into the copy, by global
+    layer name. They are small and replicated: every rank shares its own, each takes what it holds."""
+    mine = {_global_name(source, name): buf.detach().cpu() for name, buf in _persistent_buffers(source)}
+    wanted = list(_persistent_buffers(target))
+    if not wanted and not mine:
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = {k: v for shard in everyone for k, v in shard.items()}
+    for name, buf in wanted:
+        key = _global_name(target, name)
+        if key not in merged:
+            raise RuntimeError(f"refit: the policy has no buffer {key} for the decode copy")
+        buf.copy_(merged[key].to(buf.device))
+
+
+def _persistent_buffers(module: torch.nn.Module):
+    keys = set(module.state_dict(keep_vars=True))
+    return [(name, buf) for name, buf in module.named_buffers() if name in keys and buf is not None]
+
+
+def _global_name(module: torch.nn.Module, name: str) -> str:
+    """``name`` with its layer index global (pipeline stages number their layers from 0)."""
+    from megatron.core.resharding.utils import _build_layer_module_prefix_map, _resolve_global_layer_number_in_name
+
+    cache = module.__dict__.setdefault("_mc_layer_prefix_map", _build_layer_module_prefix_map(module))
+    return _resolve_global_layer_number_in_name(name, cache)
+
+
+def _patch_local_expert_names() -> None:
+    """megatron-core 0.16.1's resharding planner: local-spec expert parameters get their global
+    expert index and the expert data-parallel group as replicas (see the module docstring).
+    Idempotent; megatron-core's own grouped-GEMM names are left as they are."""
+    from megatron.core.resharding import planner
+
+    original = planner.extract_param_metadata
+    if getattr(original, "_megatron_cascade", False):
+        return
+
+    def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
+                               layer_module_prefix_map=None):
+        meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
+                        layer_module_prefix_map=layer_module_prefix_map)
+        if not meta.is_ep:
+            return meta
+        expt_dp = getattr(pg_collection, "expt_dp", None)
+        if expt_dp is not None:
+            meta.data_parallel_group_ranks = dist.get_process_group_ranks(expt_dp)
+        match = _LOCAL_EXPERT.search(meta.resolved_name or param_name)
+        if match and num_experts:
+            ep_ranks = meta.expert_parallel_group_ranks
+            index = ep_ranks.index(owner_rank) * (num_experts // len(ep_ranks)) + int(match.group(1))
+            meta.global_expert_index = index
+            meta.resolved_name = _LOCAL_EXPERT.sub(f".local_experts.{index}.", meta.resolved_name or param_name, 1)
+        return meta
+
+    extract_param_metadata._megatron_cascade = True
+    planner.extract_param_metadata = extract_param_metadata
