@@ -16,6 +16,7 @@ from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConf
 from megatron_cascade.environments.runner import run_episodes
 from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
 from megatron_cascade.rollout import KVCacheConfig, SamplingParams
+from megatron_cascade.rollout.groups import GenerationReplica
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def _standard_error(means_sum: float, squares_sum: float, n: float) -> float:
     return math.sqrt(variance / n)
 
 
-def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
+def evaluate(module: torch.nn.Module | GenerationReplica, eval_sets: dict[str, list[Example]], rewards: dict,
              domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, rollout_cfg: RolloutConfig,
              seed: int) -> dict[str, float]:
     """Mean score per domain in [0, 1] (:func:`evaluate_detailed`'s ``score``); collective."""
@@ -75,8 +76,8 @@ def evaluate(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewar
     return {domain: result.score for domain, result in details.items()}
 
 
-def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example]], rewards: dict,
-                      domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig,
+def evaluate_detailed(module: torch.nn.Module | GenerationReplica, eval_sets: dict[str, list[Example]],
+                      rewards: dict, domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig,
                       rollout_cfg: RolloutConfig, seed: int) -> dict[str, DomainEval]:
     """Per domain: mean score in [0, 1] over the samples whose reward did not fail (0 if none was
     scored; failures are logged), its standard error over prompts and pass@k; prompts are split over
@@ -87,8 +88,12 @@ def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example
     each is scored as soon as it finishes (a reward worker pool, while the rest decode). Every rank
     calls ``generate`` for every domain, also with no prompts of its own (expert-parallel lockstep).
     Multi-turn domains run whole episodes in their environment, scored as in training.
+
+    ``module``: the policy (generating at the training layout), or a ``GenerationReplica`` (a decode
+    copy: its data-parallel replicas split the prompts).
     """
-    dp_rank, dp_size, dp_group = data_parallel()
+    replica = module if isinstance(module, GenerationReplica) else GenerationReplica.training(module)
+    dp_rank, dp_size, dp_group = replica.dp_rank, replica.dp_size, replica.dp_group
     max_new_tokens = eval_cfg.max_new_tokens if eval_cfg.max_new_tokens is not None else rollout_cfg.max_new_tokens
     stop_strings = tuple(rollout_cfg.stop_strings)
     # Episodes in each domain's environment, as in training (single_turn: one generate call).
@@ -101,8 +106,9 @@ def evaluate_detailed(module: torch.nn.Module, eval_sets: dict[str, list[Example
                                 stop_strings=stop_strings, n=eval_cfg.samples, seed=seed + dp_rank)
         # Every rank generates, a rank without prompts too: with experts spread over data-parallel
         # ranks it runs dummy forwards for its EP group's all-to-alls (elsewhere it returns at once).
-        with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine)) as scorer:
-            rollouts = run_episodes(module, [list(e.prompt_ids) for e in mine], [e.row for e in mine],
+        with RolloutScorer(rewards, domains, tokenizer, [e.row for e in mine], [domain] * len(mine),
+                           model_parallel_group=replica.mp_group) as scorer:
+            rollouts = run_episodes(replica.module, [list(e.prompt_ids) for e in mine], [e.row for e in mine],
                                     [settings[domain]] * len(mine), params, tokenizer=tokenizer,
                                     kv_cache=KVCacheConfig.from_rollout(rollout_cfg),
                                     on_episode_done=scorer.on_finished)

@@ -176,10 +176,7 @@ def check_runnable(cfg: RunConfig, layout: Layout) -> None:
     """Raise ``ConfigError`` (naming the key and the reason) for a layout or option this code or
     the libraries under it refuse at run time; called by the dry run before it plans anything."""
     m = cfg.model
-    if layout.cp > 1:
-        raise ConfigError(f"parallel.context_parallel_size={layout.cp}: generation (rollout/generate.py) decodes "
-                          "with the training layout and refuses CP > 1 (the training step and log-prob passes "
-                          "split sequences over CP ranks); set it to 1")
+    check_generation_layouts(cfg, layout)
     if m.moe.num_experts and m.moe.token_dispatcher_type == "flex":
         raise ConfigError("model.moe.token_dispatcher_type=flex needs DeepEP/HybridEP, which megatron-cascade "
                           "neither installs nor tests; use alltoall")
@@ -191,6 +188,43 @@ def check_runnable(cfg: RunConfig, layout: Layout) -> None:
         if stage_cfg.prompts_per_step % layout.dp:
             raise ConfigError(f"stages[{index}] ({stage_cfg.name}): prompts_per_step={stage_cfg.prompts_per_step} "
                               f"is not divisible by the data-parallel size {layout.dp}")
+
+
+def check_generation_layouts(cfg: RunConfig, layout: Layout) -> None:
+    """Every stage's decode layout (``check_decode_layout``), and with context parallelism a decode
+    layout wherever the run generates (the training layout cannot decode with CP > 1); ``ConfigError``.
+    The dry run and the start of a run call it, before anything is built."""
+    stages = [resolve_stage(cfg, stage_cfg) for stage_cfg in cfg.stages]
+    for stage in stages:
+        check_decode_layout(cfg, stage, layout.world_size)
+    if layout.cp > 1:
+        at_training_layout = [s.name for s in stages if s.rollout.parallel is None
+                              and (stage_type(s.type).generates or cfg.eval.enabled)]
+        if at_training_layout:
+            raise ConfigError(f"parallel.context_parallel_size={layout.cp}: stages {at_training_layout} generate "
+                              "(rollouts or evaluation) at the training layout, which cannot decode with CP > 1 "
+                              "(one token per request per step); set rollout.parallel (a decode layout, e.g. "
+                              "{tensor_model_parallel_size: 1}) or parallel.context_parallel_size=1")
+
+
+def check_decode_layout(cfg: RunConfig, stage: ResolvedStage, world_size: int) -> Optional[Layout]:
+    """``stage``'s decode layout (``rollout.parallel``) against the model and ``world_size``, or None
+    without one; ``ConfigError`` naming the ``rollout.parallel`` key it cannot run."""
+    decode = stage.rollout.parallel
+    if decode is None:
+        return None
+    m = cfg.model
+    if (m.architecture == "hybrid" and "M" in (m.hybrid.layer_pattern or "")
+            and decode.tensor_model_parallel_size != cfg.parallel.tensor_model_parallel_size):
+        raise ConfigError(
+            f"stage {stage.name}: rollout.parallel.tensor_model_parallel_size={decode.tensor_model_parallel_size} "
+            f"differs from parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}: a Mamba "
+            "layer's in_proj and conv1d hold several parts, each split over TP on its own, which megatron-core's "
+            "in-memory resharding cuts as one tensor; decode at the training TP (PP, CP and EP may differ)")
+    try:
+        return resolve_layout(m, decode.as_parallel(), world_size, check_this_machine=False, prefix="rollout.parallel.")
+    except ConfigError as exc:
+        raise ConfigError(f"stage {stage.name}: {exc}") from None
 
 
 def _check_fp8(cfg: RunConfig, layout: Layout) -> None:
@@ -560,6 +594,8 @@ class StageMemory:
     host_teachers: float  # offloaded MOPD teachers, per node
     overhead: float  # cluster.runtime_overhead_gib: CUDA context, NCCL, workspaces
     generation_plan: Optional[GenerationPlan] = None  # generating stages
+    decode_copy: float = 0.0  # the decode copy's weights (rollout.parallel), resident; refit per step
+    decode_layout: Optional[Layout] = None
 
     @property
     def training(self) -> float:
@@ -567,7 +603,7 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        return self.static + self.frozen + max(self.generation, self.training) + self.overhead
+        return self.static + self.decode_copy + self.frozen + max(self.generation, self.training) + self.overhead
 
 
 def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageMemory:
@@ -589,16 +625,21 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     with_reference = kind.kl_reference and stage.loss.kl_coef > 0
     frozen = frozen_weights if (with_reference or kind.teachers) else 0.0
     static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
-    kv = generation = 0.0
-    gen = None
+    kv = generation = copy = 0.0
+    gen = decode = None
     if kind.generates:
-        overhead = cfg.cluster.runtime_overhead_gib * GIB
-        gen = generation_plan(cfg, layout, stage, cfg.cluster.gpu_memory_gib * GIB - static - frozen - overhead)
+        # A decode layout generates on its own copy of the weights (no optimizer state); the training
+        # state stays resident beside it.
+        decode = check_decode_layout(cfg, stage, layout.world_size)
+        if decode is not None:
+            copy = e * sum(params_per_gpu(cfg, decode))
+        free = cfg.cluster.gpu_memory_gib * GIB - static - copy - frozen - cfg.cluster.runtime_overhead_gib * GIB
+        gen = generation_plan(cfg, decode or layout, stage, free)
         kv, generation = gen.kv_cache, gen.kv_cache + gen.step
     distinct_teachers = len(set(stage.teachers.values())) if kind.teachers else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
-                       host / GIB, cfg.cluster.runtime_overhead_gib, gen)
+                       host / GIB, cfg.cluster.runtime_overhead_gib, gen, copy / GIB, decode)
 
 
 def _concurrency(mem: StageMemory) -> str:
@@ -617,7 +658,8 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
     if mem.frozen:
         frozen = f" + {'teacher' if stage_type(stage.type).teachers else 'kl-reference'} {mem.frozen:.1f}"
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
-    return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max(generation "
+    copy = f" + decode copy {mem.decode_copy:.1f}" if mem.decode_layout is not None else ""
+    return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{copy}{frozen} + max(generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]) + runtime "
             f"{mem.overhead:.1f}{host}")
@@ -655,6 +697,11 @@ def describe_plan(cfg: RunConfig) -> str:
             f"  {s.name:<14} {s.type:<5} steps={s.steps:<4} batch={s.prompts_per_step}x{s.samples_per_prompt} "
             f"max_new_tokens={s.rollout.max_new_tokens} lr={s.optimizer.lr:g} kl={s.loss.kl_coef:g} "
             f"domains={s.domains}{teachers}")
+        decode = check_decode_layout(cfg, s, world) if stage_type(s.type).generates else None
+        if decode is not None:
+            copy = _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, decode))
+            lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
+                         f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory)")
     lines.append("memory plan per GPU (GiB; peak = static + frozen models + max(generation, training) + runtime "
                  "overhead):")
     warnings = []

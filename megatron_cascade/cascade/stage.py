@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_d
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
 from megatron_cascade.cascade.step_metrics import rollout_metrics
 from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE
-from megatron_cascade.config.model import ConfigError
+from megatron_cascade.config.model import ConfigError, DecodeParallelConfig
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.stages import stage_class
 from megatron_cascade.stages.registry import stage_type
@@ -34,6 +34,8 @@ from megatron_cascade.training.checkpoint import (
     save_final_weights,
     save_training_checkpoint,
 )
+from megatron_cascade.rollout.groups import GenerationReplica
+from megatron_cascade.training.decode_copy import DecodeCopy
 from megatron_cascade.training.policy import finish_param_sync, load_policy_weights
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,16 @@ class RunContext:
     preemption: PreemptionWatch
     eval_sets: dict[str, list[Example]]
     eval_rewards: dict
+    # Decode copies of the policy by layout (``rollout.parallel``): built once, refit by every stage.
+    decode_copies: dict = field(default_factory=dict)
+
+    def decode_copy(self, decode: DecodeParallelConfig) -> DecodeCopy:
+        """The decode copy at ``decode``'s layout (built on first use; collective)."""
+        key = (decode.tensor_model_parallel_size, decode.expert_model_parallel_size, decode.expert_tensor_parallel_size)
+        if key not in self.decode_copies:
+            self.decode_copies[key] = DecodeCopy(self.cfg.model, decode,
+                                                 timeout_minutes=self.cfg.distributed.timeout_minutes)
+        return self.decode_copies[key]
 
 
 def _reseed(seed: int) -> None:
@@ -100,6 +112,7 @@ class StageRunner:
         self.kind = stage_class(stage.type)(self)
         self.spec = self.kind.loss_spec(self.tok.vocab_size)
         self.ckpt_root = checkpoint_root(self.cfg.output_dir, stage.name)
+        self.refit_seconds = 0.0  # decode-copy refits, summed over a step (``time/refit_s``)
 
     # -- setup ---------------------------------------------------------------------------------
     def _build(self) -> int:
@@ -123,6 +136,18 @@ class StageRunner:
                          for d in self.stage.domains}
         self.mixer = PromptMixer(self.datasets, self.stage.domains, seed=self.cfg.seed + 7919 * self.index)
         return first_step
+
+    def generation_replica(self) -> GenerationReplica:
+        """What generates this stage's rollouts and evaluations, holding the policy's current weights:
+        the decode copy at ``rollout.parallel`` (refit now; collective), else the policy itself."""
+        finish_param_sync(self.policy)  # generation reads the weights of the last step
+        decode = self.stage.rollout.parallel
+        if decode is None:
+            return GenerationReplica.training(self.policy.module)
+        copy = self.ctx.decode_copy(decode)
+        copy.refit(self.policy)
+        self.refit_seconds += copy.refit_seconds
+        return copy.replica
 
     def teacher_paths(self) -> dict[str, str]:
         """This stage's teachers as weights folders (see :func:`teacher_paths`)."""
@@ -164,6 +189,7 @@ class StageRunner:
 
     def _step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
+        self.refit_seconds = 0.0
         made = self.kind.make_batch(step, self.my_share(step))
         train_start = time.perf_counter()
         metrics = optimize_on_batch(self.policy, made.batch, self.spec, self.stage.training)
@@ -172,6 +198,8 @@ class StageRunner:
         metrics.update(self._reduce(made.sums, made.maxes))
         elapsed = time.perf_counter() - start
         metrics.update(made.timing)
+        if self.stage.rollout.parallel is not None and stage_type(self.stage.type).generates:
+            metrics["time/refit_s"] = self.refit_seconds
         metrics["time/step_s"] = elapsed
         tokens = metrics.pop("tokens_processed")
         metrics["throughput/tokens_per_s"] = tokens / elapsed
@@ -223,9 +251,8 @@ class StageRunner:
         eval_sets = {d: e for d, e in self.ctx.eval_sets.items() if domains is None or d in domains}
         if not eval_cfg.enabled or not eval_sets:
             return {}
-        finish_param_sync(self.policy)
-        return evaluate_detailed(self.policy.module, eval_sets, self.ctx.eval_rewards, self.cfg.domains, self.tok,
-                                 eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+        return evaluate_detailed(self.generation_replica(), eval_sets, self.ctx.eval_rewards, self.cfg.domains,
+                                 self.tok, eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
 
     def _periodic_eval(self, done: int) -> dict[str, float]:
         """``eval.every_steps``: in a stage that generates (RL, distillation; not SFT), after every that

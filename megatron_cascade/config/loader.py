@@ -114,6 +114,7 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         value = text
     try:
         _open_stage_section(cfg, key)
+        _open_optional_sections(cfg, key)
         OmegaConf.update(cfg, key, value, merge=True)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, f"command-line override {item!r}") from None
@@ -126,6 +127,22 @@ def _open_stage_section(cfg: DictConfig, key: str) -> None:
         stage = cfg.stages[int(parts[1])]
         if stage[parts[2]] is None:
             stage[parts[2]] = {}
+
+
+def _open_optional_sections(cfg: DictConfig, key: str) -> None:
+    """``rollout.parallel.tensor_model_parallel_size=1`` while ``rollout.parallel`` is null (an
+    optional section, e.g. no decode layout): start the section at its defaults first."""
+    parts = key.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return
+        if node[part] is None:
+            section = node._get_node(part)._metadata.ref_type  # the schema's dataclass of the section
+            if not is_dataclass(section):
+                return
+            node[part] = section()
+        node = node[part]
 
 
 def _stage_key_by_name(cfg: DictConfig, key: str) -> str:

@@ -94,9 +94,11 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
         # Megatron's DDP would ignore the flag: refuse it rather than silently do nothing.
         raise ConfigError("parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true "
                           "(Megatron's DDP gathers parameters only from distributed-optimizer shards)")
-    if check_this_machine and cp > 1 and not transformer_engine_available():
+    if check_this_machine and cp > 1 and torch.cuda.is_available() and not transformer_engine_available():
+        # On CPU the local spec's context-parallel attention (model/cpu_spec.py: keys and values
+        # all-gathered over CP) is the reference; on a GPU it would forfeit what CP is for.
         raise ConfigError("parallel.context_parallel_size > 1 needs Transformer Engine on a CUDA device "
-                          "(not available here)")
+                          "(not importable here)")
     return Layout(world_size, tp, pp, cp, ep, etp, dp, world_size // expert_model_parallel)
 
 

@@ -92,3 +92,30 @@ def model_parallel_source(group: Optional[dist.ProcessGroup]) -> tuple[bool, Opt
         return True, group, _rank()
     src = dist.get_global_rank(group, 0)
     return _rank() == src, group, src
+
+
+@dataclass(frozen=True)
+class GenerationReplica:
+    """The model that generates, and this rank's place among the replicas that share the prompts.
+
+    Attributes:
+        module: this rank's model (the policy at the training layout, or its decode copy).
+        dp_rank, dp_size, dp_group: the data-parallel replicas that split the prompts.
+        mp_group: this replica's model-parallel group (its first rank runs environments and rewards).
+        is_copy: a decode copy: prompts and results cross between the two layouts' replicas.
+    """
+
+    module: torch.nn.Module
+    dp_rank: int
+    dp_size: int
+    dp_group: Optional[dist.ProcessGroup]
+    mp_group: Optional[dist.ProcessGroup]
+    is_copy: bool = False
+
+    @classmethod
+    def training(cls, module: torch.nn.Module) -> "GenerationReplica":
+        """The policy itself at the training layout (Megatron's parallel state)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(module, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                   ps.get_data_parallel_group(), ps.get_model_parallel_group())

@@ -17,9 +17,10 @@ from megatron_cascade.cascade.groups import GroupRound, merge_groups, select_gro
 from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards, check_error_fraction
 from megatron_cascade.environments.runner import run_episodes
 from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
-from megatron_cascade.rollout import KVCacheConfig, SamplingParams
+from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, SamplingParams
+from megatron_cascade.rollout.batch import GenerationStats
+from megatron_cascade.rollout.groups import GenerationReplica, model_parallel_source
 from megatron_cascade.stages.base import StageType, StepBatch
-from megatron_cascade.training.policy import finish_param_sync
 
 
 class RolloutStage(StageType):
@@ -52,37 +53,26 @@ class RolloutStage(StageType):
         raise NotImplementedError
 
     # -- generation ------------------------------------------------------------------------------
-    def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
-        """Sampling of ``step``'s ``round``: seeded by (seed, stage, step, DP rank, round)."""
+    def sampling(self, step: int, n: int, round: int = 0, replica_rank: int | None = None) -> SamplingParams:
+        """Sampling of ``step``'s ``round``: seeded by (seed, stage, step, generating replica, round);
+        the replica is the training DP rank, or the decode copy's DP rank (``replica_rank``)."""
         r = self.runner
         ro = r.stage.rollout
-        seed = (r.cfg.seed * 1_000_003 + r.index * 10_007 + step) * 131 + r.dp_rank + round * 7_368_787
+        rank = r.dp_rank if replica_rank is None else replica_rank
+        seed = (r.cfg.seed * 1_000_003 + r.index * 10_007 + step) * 131 + rank + round * 7_368_787
         return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                               max_new_tokens=ro.max_new_tokens, stop_strings=tuple(ro.stop_strings), n=n, seed=seed)
 
-    def _generate_round(self, step: int, round: int, examples: list[Example], timing: dict) -> GroupRound:
+    def _generate_round(self, step: int, round: int, examples: list[Example], timing: dict,
+                        replica: GenerationReplica) -> GroupRound:
         """Run G episodes per prompt (G responses for single-turn domains), score them (while
         decoding), apply the overlong policy."""
         r = self.runner
         G = r.stage.samples_per_prompt
-        t0 = time.perf_counter()
-        finish_param_sync(r.policy)  # generation reads the weights of the last step
-        # Each episode is scored the moment it ends, while the others go on (a group reward once the
-        # G episodes of its prompt have ended).
-        scorer = RolloutScorer(self.rewards, r.cfg.domains, r.tok, [e.row for e in examples],
-                               [e.domain for e in examples], group_size=G) if self.entry.rewards else None
-        with scorer or contextlib.nullcontext():
-            rollouts = run_episodes(r.policy.module, [list(e.prompt_ids) for e in examples], [e.row for e in examples],
-                                    [self.episodes[e.domain] for e in examples], self.sampling(step, G, round),
-                                    tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
-                                    on_episode_done=scorer.on_finished if scorer else None)
-            timing["time/generation_s"] += time.perf_counter() - t0
-            if scorer:
-                scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers
-                timing["time/reward_s"] += reward_s
-            else:
-                scores = torch.zeros(len(rollouts), dtype=torch.float64)
-                errored = torch.zeros(len(rollouts), dtype=torch.bool)
+        if replica.is_copy:
+            rollouts, scores, errored = self._generate_on_copy(step, round, examples, timing, replica)
+        else:
+            rollouts, scores, errored = self._generate_scored(step, round, examples, timing, replica)
         scores, errored = episode_scores(rollouts.samples, scores, errored)
         if self.entry.rewards:
             # Before anything is trained on this step: every rank stops if the rewards largely failed.
@@ -95,11 +85,76 @@ class RolloutStage(StageType):
         informative = informative_groups(rewards, valid=keep & ~errored.view(len(examples), G))
         return GroupRound(examples, rollouts, scores, errored, rewards, keep, informative)
 
+    def _generate_scored(self, step: int, round: int, examples: list[Example], timing: dict,
+                         replica: GenerationReplica):
+        """(rollouts, scores [N] float64, reward failed [N] bool) of ``examples`` on ``replica``, each
+        episode scored the moment it ends while the others go on (a group reward once the G episodes
+        of its prompt have ended)."""
+        r = self.runner
+        G = r.stage.samples_per_prompt
+        t0 = time.perf_counter()
+        scorer = RolloutScorer(self.rewards, r.cfg.domains, r.tok, [e.row for e in examples],
+                               [e.domain for e in examples], group_size=G,
+                               model_parallel_group=replica.mp_group) if self.entry.rewards else None
+        with scorer or contextlib.nullcontext():
+            rollouts = run_episodes(replica.module, [list(e.prompt_ids) for e in examples], [e.row for e in examples],
+                                    [self.episodes[e.domain] for e in examples],
+                                    self.sampling(step, G, round, replica.dp_rank if replica.is_copy else None),
+                                    tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
+                                    on_episode_done=scorer.on_finished if scorer else None)
+            timing["time/generation_s"] += time.perf_counter() - t0
+            if scorer:
+                scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers
+                timing["time/reward_s"] += reward_s
+            else:
+                scores = torch.zeros(len(rollouts), dtype=torch.float64)
+                errored = torch.zeros(len(rollouts), dtype=torch.bool)
+        return rollouts, scores, errored
+
+    def _generate_on_copy(self, step: int, round: int, examples: list[Example], timing: dict,
+                          replica: GenerationReplica):
+        """``_generate_scored`` for this training rank's ``examples`` on the decode copy: every
+        training data-parallel rank's prompts are pooled, each decode replica generates and scores a
+        contiguous share, and the results go back to the training ranks that own the prompts
+        (prompt-major, ``prompt_index`` local again). Collective over the whole job."""
+        r = self.runner
+        world = dist.get_world_size()
+        owners: list = [None] * world
+        dist.all_gather_object(owners, (r.dp_rank, examples))
+        by_rank = dict(owners)  # the TP / PP / CP ranks of a training replica hold the same prompts
+        pooled = [e for rank in sorted(by_rank) for e in by_rank[rank]]
+        first = sum(len(by_rank[rank]) for rank in sorted(by_rank) if rank < r.dp_rank)
+        lo, hi = _share(len(pooled), replica.dp_rank, replica.dp_size)
+        rollouts, scores, errored = self._generate_scored(step, round, pooled[lo:hi], timing, replica)
+        source, _, _ = model_parallel_source(replica.mp_group)
+        mine = (lo, rollouts.samples, scores, errored, rollouts.stats) if source else None
+        results: list = [None] * world
+        dist.all_gather_object(results, mine)
+        samples, picked_scores, picked_errored = [], [], []
+        stats = GenerationStats()
+        for result in results:
+            if result is None:
+                continue
+            start, got, got_scores, got_errored, got_stats = result
+            stats.add(got_stats)
+            for i, sample in enumerate(got):
+                index = start + sample.prompt_index - first  # the prompt's index among this rank's examples
+                if 0 <= index < len(examples):
+                    sample.prompt_index = index
+                    samples.append(sample)
+                    picked_scores.append(float(got_scores[i]))
+                    picked_errored.append(bool(got_errored[i]))
+        order = sorted(range(len(samples)), key=lambda i: (samples[i].prompt_index, samples[i].sample_index))
+        batch = RolloutBatch([samples[i] for i in order], rollouts.params, stats)
+        return (batch, torch.tensor([picked_scores[i] for i in order], dtype=torch.float64),
+                torch.tensor([picked_errored[i] for i in order], dtype=torch.bool))
+
     def _generate_groups(self, step: int, examples: list[Example], timing: dict) -> list[GroupRound]:
         """Round 0 on ``examples``; with dynamic sampling further rounds on further prompts until every
         rank has its share of informative groups (decided on all data-parallel ranks together)."""
         r = self.runner
-        rounds = [self._generate_round(step, 0, examples, timing)]
+        replica = r.generation_replica()  # the decode copy refit once per step (its weights are this step's)
+        rounds = [self._generate_round(step, 0, examples, timing, replica)]
         quota = len(examples)
         while len(rounds) < r.stage.rollout.dynamic_sampling_max_rounds:
             found = sum(int(rnd.informative.sum()) for rnd in rounds)
@@ -107,7 +162,7 @@ class RolloutStage(StageType):
             dist.all_reduce(have, group=r.dp_group)
             if have.item() >= r.stage.prompts_per_step:
                 break
-            rounds.append(self._generate_round(step, len(rounds), r.my_share(step, len(rounds)), timing))
+            rounds.append(self._generate_round(step, len(rounds), r.my_share(step, len(rounds)), timing, replica))
         return rounds
 
     # -- metrics ---------------------------------------------------------------------------------
@@ -171,3 +226,10 @@ class RolloutStage(StageType):
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
     sums[key] = sums.get(key, 0.0) + value
+
+
+def _share(total: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi) of ``total`` items for ``rank`` of ``size``: contiguous, sizes differing by at most one."""
+    base, extra = divmod(total, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)

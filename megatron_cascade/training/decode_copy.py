@@ -33,6 +33,7 @@ from megatron_cascade.config import ModelConfig
 from megatron_cascade.config.model import DecodeParallelConfig
 from megatron_cascade.model import build_model, resolve_layout
 from megatron_cascade.model.parallel import Layout, build_decode_process_groups
+from megatron_cascade.rollout.groups import GenerationReplica
 from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -62,6 +63,11 @@ class DecodeCopy:
         self.refit_seconds = 0.0
         self.refit_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
         self._checked = False
+
+    @property
+    def replica(self) -> GenerationReplica:
+        """The copy as the generator of its data-parallel replica."""
+        return GenerationReplica(self.module, self.dp_rank, self.dp_size, self.groups.dp, self.groups.mp, is_copy=True)
 
     @property
     def dp_rank(self) -> int:

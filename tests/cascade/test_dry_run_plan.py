@@ -41,7 +41,20 @@ def small_config(tmp_path, *overrides: str, sft: bool = False):
 
 
 REFUSED = {
-    "cp": (["parallel.context_parallel_size=2"], False, "parallel.context_parallel_size=2"),
+    "cp_without_decode_layout": (["parallel.context_parallel_size=2"], False, "rollout.parallel"),
+    "decode_tp_not_dividing_heads": (["rollout.parallel.tensor_model_parallel_size=3"], False,
+                                     "rollout.parallel.tensor_model_parallel_size=3"),
+    "decode_world_not_divisible": (["rollout.parallel.tensor_model_parallel_size=8", "model.num_attention_heads=8"],
+                                   False, "rollout.parallel.* sizes"),
+    "decode_ep_not_dividing_experts": ([*MOE, "rollout.parallel.expert_model_parallel_size=3"], False,
+                                       "rollout.parallel.expert_model_parallel_size=3"),
+    "decode_ep_without_moe": (["rollout.parallel.expert_model_parallel_size=2"], False,
+                              "rollout.parallel.expert_model_parallel_size=2"),
+    "decode_tp_change_of_mamba_layers": (["model.architecture=hybrid", "model.hybrid.layer_pattern=M*M*",
+                                          "model.hybrid.mamba_head_dim=16", "model.hybrid.mamba_num_groups=2",
+                                          "model.position_embedding_type=none", "parallel.tensor_model_parallel_size=2",
+                                          "rollout.parallel.tensor_model_parallel_size=1"], False,
+                                         "rollout.parallel.tensor_model_parallel_size=1"),
     "kv_budget_below_one_sample": (["rollout.kv_cache_bytes=1000"], False, "rollout.kv_cache_bytes"),
     "param_gather_without_dist_opt": (["parallel.overlap_param_gather=true"], False,
                                       "parallel.overlap_param_gather"),
@@ -65,6 +78,13 @@ def test_dry_run_refuses_what_cannot_run_naming_the_key(tmp_path, case):
     with pytest.raises(ConfigError) as info:
         describe_plan(cfg)
     assert key in str(info.value), str(info.value)
+
+
+def test_context_parallel_trains_where_a_decode_layout_generates(tmp_path):
+    """CP > 1 is planned once every generating stage (and evaluation) decodes at rollout.parallel."""
+    out = describe_plan(small_config(tmp_path, "parallel.context_parallel_size=2",
+                                     "rollout.parallel.tensor_model_parallel_size=1"))
+    assert "layout: TP=1 PP=1 CP=2" in out and "decode layout: TP=1 EP=1 ETP=1 DP=4" in out
 
 
 def test_sequence_parallel_runs_with_rollouts_and_eval(tmp_path):
