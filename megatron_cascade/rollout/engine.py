@@ -251,7 +251,7 @@ class PagedGenerator:
                 need = max(self.layout.blocks_for(len(tokens) + 1), self.expected[first])
                 fits = (ctx.block_allocator.total_avail - promised) // need
             take = min(len(group), slots, fits)
-            if take == 0:
+            if take <= 0:  # promised blocks can exceed the free ones (live requests growing): none fits
                 return
             admitted, rest = group[:take], group[take:]
             if rest:

@@ -132,3 +132,30 @@ def _sequence_parallel_state(model) -> list:
     attrs = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
     return [(name, attr, getattr(module, attr)) for name, module in model.named_modules() for attr in attrs
             if hasattr(module, attr)] + [("config", "sequence_parallel", model.config.sequence_parallel)]
+
+
+def long_tail_worker(weights_dir: str, block_tokens: int, fraction_of_need: float) -> dict:
+    """Long-tailed responses (two frequent stop tokens; some run to the cap) under a budget of a
+    fraction of what all requests need at their longest, on demand and reserved, vs an unlimited one."""
+    import torch
+
+    from megatron_cascade.rollout import SamplingParams
+    from megatron_cascade.rollout.kv_budget import kv_layout
+
+    model = _setup(ParallelConfig(), weights_dir, save=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TOKENIZER.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 30, (8,), generator=gen)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=48, n=3, seed=3, stop_token_ids=(17, 42, 50, 61),
+                            ignore_eos=True)
+    layout = kv_layout(model, block_tokens, tp=1)
+    need = sum(layout.blocks_for(len(p) + params.max_new_tokens) for p in prompts) * params.n * layout.block_bytes
+    budget = int(need * fraction_of_need) + layout.block_bytes
+    out = {"full": [s.response_ids for s in generate(model, prompts, params, tokenizer=TOKENIZER)]}
+    for name, reserve in (("demand", False), ("reserved", True)):
+        batch = generate(model, prompts, params, tokenizer=TOKENIZER,
+                         kv_cache=KVCacheConfig(kv_cache_bytes=budget, block_size_tokens=block_tokens,
+                                                reserve_full_response=reserve))
+        out[name] = [s.response_ids for s in batch]
+        out[f"{name}_stats"] = vars(batch.stats)
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from megatron_cascade.config import ParallelConfig
 from megatron_cascade.testing import run_distributed
-from paged_workers import EP_PROMPTS, SMALL, budget_worker, moe_worker
+from paged_workers import EP_PROMPTS, SMALL, budget_worker, long_tail_worker, moe_worker
 from rollout_workers import GREEDY, PROMPTS, SAMPLED
 
 pytestmark = pytest.mark.distributed
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    return run_distributed(budget_worker, 1, str(tmp_path_factory.mktemp("paged") / "w"))[0]
+    weights = str(tmp_path_factory.mktemp("paged") / "w")
+    return dict(run_distributed(budget_worker, 1, weights)[0], weights_dir=weights)
 
 
 @pytest.mark.parametrize("budget", ["small", "reserved", "tiny"])
@@ -46,6 +47,20 @@ def test_kv_on_demand_runs_more_requests_and_preempts(ref, kind):
     assert small["preemptions"] > 0 and small["recomputed_tokens"] > 0
     assert tiny["preemptions"] > 0 and tiny["peak_requests"] <= small["peak_requests"]
     assert ref[f"{kind}_stats"]["preemptions"] == 0  # an unlimited budget never preempts
+
+
+@pytest.mark.parametrize("block_tokens,fraction", [(8, 0.25), (16, 0.3)])
+def test_long_tailed_responses_under_a_tight_budget(ref, tmp_path_factory, block_tokens, fraction):
+    """Many short responses and a few at the cap, 24 requests in a quarter of what they need at their
+    longest: the long ones outgrow what admission expected for them, so promised growth exceeds the
+    free blocks for a while (no admission then) and the newest requests are preempted; the tokens are
+    those of an unlimited budget, and more requests run at once than with worst-case reservation."""
+    weights = ref["weights_dir"]
+    got = run_distributed(long_tail_worker, 1, weights, block_tokens, fraction)[0]
+    lengths = sorted(len(t) for t in got["full"])
+    assert lengths[0] < 10 and lengths[-1] == 48  # long-tailed
+    assert got["demand"] == got["full"] and got["reserved"] == got["full"]
+    assert got["demand_stats"]["peak_requests"] > got["reserved_stats"]["peak_requests"]
 
 
 def test_samples_of_a_prompt_share_its_prefill(ref):
