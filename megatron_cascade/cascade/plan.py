@@ -522,6 +522,7 @@ class GenerationPlan:
     worst_kv: float  # ... at its longest (prompt + max_new_tokens)
     state: float  # one sample's Mamba state slot (hybrid models; 0 otherwise)
     capacity: int  # samples the cache holds at once at their expected length (whatever a step has)
+    stages_in_series: int = 1  # pipeline stages that decode one after another (the training layout's PP)
 
     @property
     def concurrent_per_gpu(self) -> float:
@@ -577,7 +578,7 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     step += (_DTYPE_BYTES[m.precision] + 4) * concurrent * m.padded_vocab_size  # gathered logits, sampled in fp32
     return GenerationPlan(kv_cache=(blocks + 1) * block + slots * state, step=step, concurrent=int(concurrent),
                           samples=samples, gpus=layout.tp * layout.pp * layout.cp, expected_kv=expected,
-                          worst_kv=worst, state=state, capacity=capacity)
+                          worst_kv=worst, state=state, capacity=capacity, stages_in_series=layout.pp)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------
@@ -603,7 +604,8 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        return self.static + self.decode_copy + self.frozen + max(self.generation, self.training) + self.overhead
+        # The decode copy holds its weights while generating only (released for training, refit after).
+        return self.static + self.frozen + max(self.decode_copy + self.generation, self.training) + self.overhead
 
 
 def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageMemory:
@@ -650,7 +652,14 @@ def _concurrency(mem: StageMemory) -> str:
     state = f" + state {gen.state / mib:.0f}" if gen.state else ""
     return (f"; per sample {gen.expected_kv / mib:.0f} MiB expected / {gen.worst_kv / mib:.0f} worst{state}; "
             f"{gen.concurrent} of {gen.samples} samples at once = {gen.concurrent_per_gpu:.1f}/GPU, "
-            f"room for {gen.capacity_per_gpu:.0f}/GPU")
+            f"room for {gen.capacity_per_gpu:.0f}/GPU{_in_series(gen)}")
+
+
+def _in_series(gen: GenerationPlan) -> str:
+    if gen.stages_in_series == 1:
+        return ""
+    return (f"; {gen.stages_in_series} pipeline stages decode in series: "
+            f"{gen.concurrent_per_gpu / gen.stages_in_series:.1f}/GPU at work")
 
 
 def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConfig) -> str:
@@ -658,8 +667,8 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
     if mem.frozen:
         frozen = f" + {'teacher' if stage_type(stage.type).teachers else 'kl-reference'} {mem.frozen:.1f}"
     host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
-    copy = f" + decode copy {mem.decode_copy:.1f}" if mem.decode_layout is not None else ""
-    return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{copy}{frozen} + max(generation "
+    copy = f"decode copy {mem.decode_copy:.1f} + " if mem.decode_layout is not None else ""
+    return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max({copy}generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]) + runtime "
             f"{mem.overhead:.1f}{host}")
@@ -702,8 +711,8 @@ def describe_plan(cfg: RunConfig) -> str:
             copy = _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, decode))
             lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
                          f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory)")
-    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max(generation, training) + runtime "
-                 "overhead):")
+    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation, training) "
+                 "+ runtime overhead):")
     warnings = []
     for s in stages:
         plan = stage_memory(cfg, layout, s)

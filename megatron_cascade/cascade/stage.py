@@ -149,6 +149,12 @@ class StageRunner:
         self.refit_seconds += copy.refit_seconds
         return copy.replica
 
+    def generation_done(self) -> None:
+        """Generation is over until the next step or evaluation: free the decode copy's weights
+        (training takes the memory; the next ``generation_replica`` refits them)."""
+        if self.stage.rollout.parallel is not None:
+            self.ctx.decode_copy(self.stage.rollout.parallel).release()
+
     def teacher_paths(self) -> dict[str, str]:
         """This stage's teachers as weights folders (see :func:`teacher_paths`)."""
         return teacher_paths(self.ctx, self.stage)
@@ -251,8 +257,11 @@ class StageRunner:
         eval_sets = {d: e for d, e in self.ctx.eval_sets.items() if domains is None or d in domains}
         if not eval_cfg.enabled or not eval_sets:
             return {}
-        return evaluate_detailed(self.generation_replica(), eval_sets, self.ctx.eval_rewards, self.cfg.domains,
-                                 self.tok, eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+        try:
+            return evaluate_detailed(self.generation_replica(), eval_sets, self.ctx.eval_rewards, self.cfg.domains,
+                                     self.tok, eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+        finally:
+            self.generation_done()
 
     def _periodic_eval(self, done: int) -> dict[str, float]:
         """``eval.every_steps``: in a stage that generates (RL, distillation; not SFT), after every that

@@ -154,6 +154,14 @@ class RolloutStage(StageType):
         rank has its share of informative groups (decided on all data-parallel ranks together)."""
         r = self.runner
         replica = r.generation_replica()  # the decode copy refit once per step (its weights are this step's)
+        try:
+            return self._generate_rounds(step, examples, timing, replica)
+        finally:
+            r.generation_done()
+
+    def _generate_rounds(self, step: int, examples: list[Example], timing: dict,
+                         replica: GenerationReplica) -> list[GroupRound]:
+        r = self.runner
         rounds = [self._generate_round(step, 0, examples, timing, replica)]
         quota = len(examples)
         while len(rounds) < r.stage.rollout.dynamic_sampling_max_rounds:

@@ -62,7 +62,19 @@ class DecodeCopy:
             param.requires_grad_(False)
         self.refit_seconds = 0.0
         self.refit_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self._shapes = [p.shape for p in self.module.parameters()]
         self._checked = False
+
+    def release(self) -> None:
+        """Free the copy's weights until the next refit (training needs the memory in between; the
+        refit plan keeps slices, not tensors). Buffers stay: they are small."""
+        for param in self.module.parameters():
+            param.data = param.data.new_empty(0)
+
+    def _materialize(self) -> None:
+        for param, shape in zip(self.module.parameters(), self._shapes):
+            if param.data.shape != shape:
+                param.data = param.data.new_empty(shape)
 
     @property
     def replica(self) -> GenerationReplica:
@@ -84,6 +96,7 @@ class DecodeCopy:
         from megatron.core.resharding import swap_model_weights
 
         start = time.perf_counter()
+        self._materialize()
         finish_param_sync(policy)
         source = policy.module
         if not self._checked:

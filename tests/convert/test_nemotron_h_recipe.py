@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import yaml
 from test_nemotron_h_units import NANO
 
@@ -50,6 +52,13 @@ def test_dry_run_plans_the_hybrid_layout(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "layout: TP=2 PP=4 CP=1 EP=8 ETP=1 DP=8 expert-DP=2 sequence_parallel=True" in out, out
-    stages = out[out.index("stages:"):out.index("memory plan per GPU")].splitlines()[1:]
+    lines = out[out.index("stages:"):out.index("memory plan per GPU")].splitlines()[1:]
+    stages = [line for line in lines if not line.strip().startswith("decode layout")]
     names = [s["name"] for s in yaml.safe_load(NANO_CASCADE.read_text())["stages"]]
     assert [line.split()[0] for line in stages] == names
+    # Decoding at the training TP (the Mamba layers' split), without pipeline stages, EP as training.
+    assert out.count("decode layout: TP=2 EP=8 ETP=1 DP=32") == len(names), out
+    plans = [line for line in out[out.index("memory plan per GPU"):].splitlines()[1:] if "peak" in line]
+    for line in plans:  # the recipe's targets: every stage within 80 GiB, >= 64 samples of room per GPU
+        assert float(re.search(r"peak +([\d.]+) GiB", line).group(1)) <= 80, line
+        assert int(re.search(r"room for (\d+)/GPU", line).group(1)) >= 64 or "code_rl" in line or "mopd" in line, line

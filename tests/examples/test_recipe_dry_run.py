@@ -86,7 +86,10 @@ def test_dry_run_plans_layout_memory_and_stages(name, capsys):
     gib = float(re.search(r"\): ([\d.]+) GiB", mem).group(1))
     assert 0 < gib < 80 and mem.endswith("of 80 GiB"), mem
     plan_at = next(i for i, line in enumerate(lines) if line.startswith("memory plan per GPU"))
-    stage_lines = lines[lines.index("stages:") + 1:plan_at]
+    stage_lines = [line for line in lines[lines.index("stages:") + 1:plan_at] if not line.strip().startswith("decode")]
+    # Every generating stage decodes on the copy at rollout.parallel (no pipeline stages).
+    decode_lines = [line for line in lines[lines.index("stages:") + 1:plan_at] if line.strip().startswith("decode")]
+    assert len(decode_lines) == len(stage_lines) and all("TP=2 EP=8 ETP=1 DP=32" in d for d in decode_lines), out
     names = [line.split()[0] for line in stage_lines]
     expected = [PER_STAGE[name]] if name in PER_STAGE else ORDER
     assert names == expected, out

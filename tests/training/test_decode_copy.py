@@ -107,6 +107,7 @@ def layout_worker(model_cfg, train: ParallelConfig, decode: DecodeParallelConfig
         for param in policy.module.parameters():
             param.main_grad.copy_(torch.randn(param.shape, generator=gen) * 0.1)
         policy.optimizer.step()
+        copy.release()  # as after every generation: the weights are freed, the refit allocates them again
         copy.refit(policy)
         mine = {k: v.detach().clone() for k, v in copy.module.state_dict().items() if not k.endswith("_extra_state")}
         if decode.tensor_model_parallel_size == 1:  # the whole model on every rank (but other EP ranks' experts)
