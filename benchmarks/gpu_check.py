@@ -368,6 +368,53 @@ def check_generation(policy, args: argparse.Namespace) -> Result:
                    "max_logprob_gap": gap, "peak_mem_gib": _peak_gib(), "kv_cache_gib": out.stats.kv_cache_bytes / 2**30})
 
 
+def check_decode_copy(policy, args: argparse.Namespace) -> Result:
+    """The decode copy (rollout.parallel) on this one GPU: refit over NCCL with megatron-core's
+    resharding (bf16, Float16Module), every parameter bit-identical to the policy's, greedy tokens
+    equal the policy's; and KV on demand under a budget of two blocks per sample preempts and still
+    gives the same tokens."""
+    import torch
+
+    from megatron_cascade.config.model import DecodeParallelConfig
+    from megatron_cascade.rollout import KVCacheConfig, SamplingParams, generate
+    from megatron_cascade.rollout.kv_budget import kv_layout
+    from megatron_cascade.tokenizers import build_tokenizer
+    from megatron_cascade.training.decode_copy import DecodeCopy
+    from megatron_cascade.training.policy import unwrap
+
+    copy = DecodeCopy(policy.model_config, DecodeParallelConfig())
+    _sync()
+    start = time.perf_counter()
+    copy.refit(policy)
+    _sync()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    copy.refit(policy)
+    _sync()
+    cached = time.perf_counter() - start
+    mine = unwrap(copy.module).state_dict()
+    differ = [k for k, v in unwrap(policy.module).state_dict().items()
+              if not k.endswith("_extra_state") and not torch.equal(v, mine[k])]
+    tokenizer = build_tokenizer("builtin:char")
+    prompts = [tokenizer.encode(f"question {i}: what is {i} + {i}?") for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, n=2, ignore_eos=True)
+    trained = [s.response_ids for s in generate(policy.module, prompts, params, tokenizer=tokenizer)]
+    decoded = [s.response_ids for s in generate(copy.module, prompts, params, tokenizer=tokenizer)]
+    blocks = -(-(max(len(p) for p in prompts) + args.new_tokens) // 256)  # the longest sample's
+    layout = kv_layout(unwrap(copy.module), 256, tp=1)
+    tight = KVCacheConfig(kv_cache_bytes=(2 * blocks + 1) * layout.block_bytes, block_size_tokens=256)
+    preempting = generate(copy.module, prompts, params, tokenizer=tokenizer, kv_cache=tight)
+    ok = not differ and trained == decoded and [s.response_ids for s in preempting] == decoded
+    gb = copy.refit_bytes / 1e9
+    return Result("decode_copy", "PASS" if ok else "FAIL",
+                  f"refit {copy.refit_bytes / 2**20:.1f} MiB over NCCL: first {first:.3f} s, cached {cached:.4f} s "
+                  f"({gb / max(cached, 1e-9):.1f} GB/s); {len(differ)} tensors differ; tokens equal the policy's: "
+                  f"{trained == decoded}; under a 2-sample KV budget ({preempting.stats.preemptions} preemptions): "
+                  f"{[s.response_ids for s in preempting] == decoded}",
+                  {"refit_first_s": first, "refit_cached_s": cached, "differ": differ[:5],
+                   "preemptions": preempting.stats.preemptions})
+
+
 NEMOTRON_H_TINY = dict(vocab_size=512, hidden_size=256, hybrid_override_pattern="M*ME-", num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, intermediate_size=512, mamba_num_heads=8, mamba_head_dim=64,
                        ssm_state_size=64, n_groups=2, conv_kernel=4, chunk_size=64, n_routed_experts=8,
@@ -429,6 +476,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
             results.append(guard("fused_logprob_head", lambda: check_fused_logprob_head(policy, args)))
             results.append(guard("packed_step", lambda: check_packed_step(policy, args)))
             results.append(guard("generation", lambda: check_generation(policy, args)))
+            results.append(guard("decode_copy", lambda: check_decode_copy(policy, args)))
             del policy
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

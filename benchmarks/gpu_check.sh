@@ -1,7 +1,10 @@
 #!/bin/bash
 # GPU check on ONE GPU, bounded to 8 + 3 minutes: Transformer Engine spec model (local spec when TE is
 # absent), a CPU-written checkpoint loaded into it, bf16 steps after the load (fp32 masters
-# reloaded), an FP8 step (TE only), generation; prints step time, tokens/s and peak memory.
+# reloaded), an FP8 step (TE only), generation, the decode copy (rollout.parallel: refit over NCCL,
+# bit-identical weights, same tokens, KV on demand preempting); hybrid: the paged engine with the
+# mamba_ssm / causal_conv1d kernels (and under a tight budget) and the static context vs a full
+# recompute; prints step time, tokens/s, refit time and peak memory.
 #
 #   benchmarks/gpu_check.sh [gpu_check.py options, e.g. --json results.json]
 #

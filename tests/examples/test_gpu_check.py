@@ -76,7 +76,8 @@ def test_checks_run_on_cpu_with_a_tiny_model():
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULTS")), None)
     assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
-    for name in ("cpu_checkpoint", "bf16_step", "fused_logprob_head", "packed_step", "generation", "nemotron_h_te"):
+    for name in ("cpu_checkpoint", "bf16_step", "fused_logprob_head", "packed_step", "generation", "decode_copy",
+                 "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     assert results["fp8_step"]["status"] == "SKIP"
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
@@ -93,5 +94,6 @@ def test_hybrid_checks_run_on_cpu():
     res = subprocess.run([sys.executable, str(BENCH / "gpu_check_hybrid.py"), "--allow-cpu"], capture_output=True,
                          text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for name in ("hybrid_checkpoint", "hybrid_generation", "hybrid_recompute"):
+    for name in ("hybrid_checkpoint", "hybrid_generation", "hybrid_generation_tight", "hybrid_generation_static",
+                 "hybrid_recompute"):
         assert f"name={name} status=PASS" in res.stdout, res.stdout
