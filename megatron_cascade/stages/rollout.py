@@ -136,7 +136,8 @@ class RolloutStage(StageType):
             if result is None:
                 continue
             start, got, got_scores, got_errored, got_stats = result
-            stats.add(got_stats)
+            if r.dp_rank == 0:  # every decode replica's stats once: the step's sums add over training ranks
+                stats.add(got_stats)
             for i, sample in enumerate(got):
                 index = start + sample.prompt_index - first  # the prompt's index among this rank's examples
                 if 0 <= index < len(examples):
