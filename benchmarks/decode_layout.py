@@ -123,10 +123,29 @@ def main() -> None:
                 tokens = sum(len(t) for t in merged[name].values())
                 print(f"  {label:<42} {seconds[name]:6.2f} s, {tokens} tokens, {rate[name]:.0f} tokens/s")
             print(f"  decode layout / training layout: {rate['copy'] / rate['training']:.2f}x tokens/s")
-    for recipe, gib in (("Nemotron-3-Nano recipe (decode TP2 EP8)", 8.89), ("Qwen3-30B-A3B recipe (decode TP2 EP8)", 8.2)):
-        gbytes = gib * 2**30 / 1e9
-        print(f"on paper, {recipe}: {gib:.2f} GiB per GPU per refit -> {gbytes / NVLINK_GBPS * 1e3:.0f} ms over "
-              f"NVLink, {gbytes / INFINIBAND_GBPS * 1e3:.0f} ms over InfiniBand")
+    for name, path in RECIPES.items():
+        gbytes, layout = recipe_refit_bytes(path)
+        print(f"on paper, {name} (decode TP={layout.tp} EP={layout.ep}): {gbytes:.2f} GB per GPU per refit -> "
+              f"{gbytes / NVLINK_GBPS * 1e3:.0f} ms over NVLink, {gbytes / INFINIBAND_GBPS * 1e3:.0f} ms over InfiniBand")
+
+
+RECIPES = {"Nemotron-3-Nano recipe": "examples/nemotron_cascade2/nemotron_3_nano/cascade.yaml",
+           "Qwen3-30B-A3B recipe": "examples/nemotron_cascade2/cascade.yaml"}
+
+
+def recipe_refit_bytes(path: str):
+    """(GB each GPU receives per refit, the decode layout) of a recipe's first RL stage, as its dry run
+    plans them: the decode copy's parameters per GPU in the model dtype."""
+    import os
+
+    from megatron_cascade.cascade.plan import _DTYPE_BYTES, check_decode_layout, params_per_gpu
+    from megatron_cascade.config import load_config, resolve_stage
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, path), check_paths=False)
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    layout = check_decode_layout(cfg, resolve_stage(cfg, cfg.stages[0]), world)
+    return _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, layout)) / 1e9, layout
 
 
 if __name__ == "__main__":
