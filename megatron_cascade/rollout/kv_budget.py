@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.params import KVCacheConfig
