@@ -109,11 +109,11 @@ class DecodeCopy:
 
 
 def _check_dtypes(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Every parameter dtype of the copy equals the policy's (the resharding copy does not cast)."""
-    mine = {p.dtype for p in source.parameters()} | {p.dtype for p in target.parameters()}
-    if len(mine) > 1:
-        raise RuntimeError(f"decode copy and policy hold parameters of several dtypes {sorted(map(str, mine))}: "
-                           "the copy must be built in the policy's precision (model.precision)")
+    """The copy's parameters are of the policy's dtypes (the resharding copy does not cast)."""
+    policy, copy = ({str(p.dtype) for p in m.parameters()} for m in (source, target))
+    if policy != copy:
+        raise RuntimeError(f"the decode copy holds {sorted(copy)} parameters, the policy {sorted(policy)}: the copy "
+                           "must be built in the policy's precision (model.precision)")
 
 
 def _copy_persistent_buffers(source: torch.nn.Module, target: torch.nn.Module) -> None:
