@@ -178,3 +178,24 @@ def _global_expert(name: str, ep_rank: int, per_rank: int) -> str:
     import re
 
     return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * per_rank + int(m.group(1))}.", name)
+
+
+def _dtype_worker():
+    from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.training.decode_copy import DecodeCopy
+    from megatron_cascade.training.policy import build_policy
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    policy = build_policy(GPT, ParallelConfig(), OptimizerConfig(lr=1e-2), total_steps=1)
+    copy = DecodeCopy(GPT, DecodeParallelConfig())
+    copy.module.double()  # megatron-core's resharding would copy fp32 values into fp64 storage unchecked
+    try:
+        copy.refit(policy)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_copy_of_another_dtype_is_refused():
+    message = run_distributed(_dtype_worker, 1)[0]
+    assert "the decode copy holds ['torch.float64'] parameters, the policy ['torch.float32']" in message
