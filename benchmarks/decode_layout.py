@@ -138,14 +138,14 @@ def recipe_refit_bytes(path: str):
     plans them: the decode copy's parameters per GPU in the model dtype."""
     import os
 
-    from megatron_cascade.cascade.plan import _DTYPE_BYTES, check_decode_layout, params_per_gpu
+    from megatron_cascade.cascade.plan import check_decode_layout, decode_copy_bytes
     from megatron_cascade.config import load_config, resolve_stage
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(repo, path), check_paths=False)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     layout = check_decode_layout(cfg, resolve_stage(cfg, cfg.stages[0]), world)
-    return _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, layout)) / 1e9, layout
+    return decode_copy_bytes(cfg, layout) / 1e9, layout
 
 
 if __name__ == "__main__":

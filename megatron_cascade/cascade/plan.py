@@ -227,6 +227,11 @@ def check_decode_layout(cfg: RunConfig, stage: ResolvedStage, world_size: int) -
         raise ConfigError(f"stage {stage.name}: {exc}") from None
 
 
+def decode_copy_bytes(cfg: RunConfig, decode: Layout) -> float:
+    """Bytes of the decode copy's weights on one GPU (model dtype): what each refit moves into it."""
+    return _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, decode))
+
+
 def _check_fp8(cfg: RunConfig, layout: Layout) -> None:
     m = cfg.model
     if m.fp8.format is None:
@@ -634,7 +639,7 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
         # state stays resident beside it.
         decode = check_decode_layout(cfg, stage, layout.world_size)
         if decode is not None:
-            copy = e * sum(params_per_gpu(cfg, decode))
+            copy = decode_copy_bytes(cfg, decode)
         free = cfg.cluster.gpu_memory_gib * GIB - static - copy - frozen - cfg.cluster.runtime_overhead_gib * GIB
         gen = generation_plan(cfg, decode or layout, stage, free)
         kv, generation = gen.kv_cache, gen.kv_cache + gen.step
@@ -708,7 +713,7 @@ def describe_plan(cfg: RunConfig) -> str:
             f"domains={s.domains}{teachers}")
         decode = check_decode_layout(cfg, s, world) if stage_type(s.type).generates else None
         if decode is not None:
-            copy = _DTYPE_BYTES[cfg.model.precision] * sum(params_per_gpu(cfg, decode))
+            copy = decode_copy_bytes(cfg, decode)
             lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
                          f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory)")
     lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation, training) "

@@ -18,9 +18,9 @@ length (every sample admitted with a prompt counts, for the forks). When a step'
 more new blocks than are free (responses longer than expected), the most recently admitted
 requests are preempted (vLLM's recompute policy): their blocks are freed and they go back to the
 front of the queue with their tokens so far, to be prefilled again from prompt + response when
-blocks free up. Their sampled tokens do not change: sampling noise is
-a hash of (seed, prompt, sample, position), never of the batch (``noise.py``); their log-probs
-change by float rounding only (a prefill instead of decode steps). The oldest request is never
+blocks free up. Their sampled tokens do not change: sampling noise is a hash of (seed, prompt,
+sample, position), never of the batch (``noise.py``); their log-probs change by float rounding only
+(a prefill instead of decode steps). The oldest request is never
 preempted, so every call finishes as long as one request fits the budget at its longest (checked
 up front). ``KVCacheConfig.reserve_full_response`` restores worst-case reservation (blocks for the
 whole response budget at admission, never a preemption): the benchmark's baseline.
@@ -327,11 +327,11 @@ class PagedGenerator:
         live = [rid for rid in bookkeeping if rid not in finished]
         if not live:
             return set()
-        index = {rid: i for i, rid in enumerate(bookkeeping)}
-        blocks = ctx.request_kv_block_counts[:len(bookkeeping)].tolist()
-        full = (ctx.request_last_kv_block_offset[:len(bookkeeping)] == ctx.block_size_tokens - 1).tolist()
-        free = ctx.block_allocator.total_avail + sum(blocks[index[rid]] for rid in finished)
-        need = sum(full[index[rid]] for rid in live)
+        counts = ctx.request_kv_block_counts[:len(bookkeeping)].tolist()
+        filled = (ctx.request_last_kv_block_offset[:len(bookkeeping)] == ctx.block_size_tokens - 1).tolist()
+        blocks, full = dict(zip(bookkeeping, counts)), dict(zip(bookkeeping, filled))
+        free = ctx.block_allocator.total_avail + sum(blocks[rid] for rid in finished)
+        need = sum(full[rid] for rid in live)
         victims: list[int] = []
         for rid in sorted(live, key=lambda r: (lane.admitted[r], r), reverse=True):
             if need <= free:
@@ -339,8 +339,8 @@ class PagedGenerator:
             if len(victims) == len(live) - 1:
                 raise RuntimeError("generate: the oldest request cannot grow (the budget check should prevent it)")
             victims.append(rid)
-            free += blocks[index[rid]]
-            need -= full[index[rid]]
+            free += blocks[rid]
+            need -= full[rid]
         for rid in victims:  # newest first, so the oldest victim ends up first in the queue
             del lane.admitted[rid]
             self.queue.appendleft([rid])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.rollout.groups import ReplicaGroups
+from megatron_cascade.rollout.groups import ReplicaGroups, replica_groups
 from megatron_cascade.rollout.params import KVCacheConfig
 
 
@@ -150,8 +150,6 @@ def cache_capacity(cfg: KVCacheConfig, layout: KVLayout, device: torch.device, g
 def static_row_bytes(gpt: torch.nn.Module, row_tokens: int) -> int:
     """Bytes one row of a static generation batch holds on this rank (``rollout/static.py``): the K/V of ``row_tokens`` positions in each attention layer of this
     stage (its TP share of the KV heads) plus each Mamba layer's conv and SSM state."""
-    from megatron_cascade.rollout.groups import replica_groups
-
     layout = kv_layout(gpt, block_size_tokens=1, tp=replica_groups(gpt).tp_size)
     return layout.block_bytes * row_tokens + layout.state_bytes
 
@@ -164,8 +162,6 @@ def static_batch_rows(gpt: torch.nn.Module, cfg: KVCacheConfig, device: torch.de
     Raises:
         ValueError: not even one row fits the budget.
     """
-    from megatron_cascade.rollout.groups import replica_groups
-
     per_row = static_row_bytes(gpt, row_tokens)
     count, = replica_groups(gpt).agree_min([budget_bytes(cfg, device) // max(per_row, 1)], device)
     if count < 1:
