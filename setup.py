@@ -22,7 +22,10 @@ setup(
         "einops>=0.7",  # megatron-core's Mamba mixer (hybrid models)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
+        # triton: what PyPI's (CUDA) torch wheel brings along. With it importable, megatron-core takes
+        # Triton paths on any device; the suite runs with it so that CPU mode is tested against them.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45",
+                 "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # megatron-core 0.16.1's own supported range (its "dev" extra). NVIDIA apex is not on PyPI
         # (the PyPI "apex" is an unrelated package): build it from github.com/NVIDIA/apex if wanted.
         # flash-attn: the paged KV-cache kernels generation runs on GPU (megatron-core's dynamic

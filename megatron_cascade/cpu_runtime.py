@@ -18,7 +18,9 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
   alltoall dispatcher passes);
 * the flash-attn paged-KV kernels of Megatron's dynamic inference attention get torch stand-ins
-  (``megatron_cascade/rollout/cpu_paged_attention.py``);
+  (``megatron_cascade/rollout/cpu_paged_attention.py``), and its Triton KV-append kernel is
+  switched off: with a CUDA torch wheel ``import triton`` succeeds on a machine without a GPU,
+  and Megatron takes a Triton path whenever it can import Triton, whatever the device;
 * Mamba-2 layers (hybrid models) get pure-torch kernels for the ``mamba_ssm`` / ``causal_conv1d``
   ones they call (``megatron_cascade/ops/mamba_reference.py``; see ``_patch_mamba``).
 
@@ -147,9 +149,12 @@ def _patch_megatron() -> None:
 def _patch_paged_attention() -> None:
     """Torch stand-ins for the flash-attn paged-KV kernels of Megatron's dynamic inference path
     (``generate`` runs on a ``DynamicInferenceContext``)."""
+    from megatron.core.inference.contexts import dynamic_context
+
     from megatron_cascade.rollout.cpu_paged_attention import install
 
     install()
+    dynamic_context.triton_append_key_value_cache = None  # its torch fallback (the Triton one asserts CUDA)
 
 
 _TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"

@@ -10,6 +10,7 @@ unpickler (which allocates what a length says before reading) sees it. ``weights
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -27,6 +28,10 @@ class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file would run code when read, or is not what it claims to be; the message names it."""
 
 
+# ``getattr`` as a pickle names it (``__builtin__`` in protocols 0-2): resolved to a lookup of an Enum member only.
+_GETATTR = frozenset({("builtins", "getattr"), ("__builtin__", "getattr")})
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose globals come only from ``allowed`` (else ``UnsafeCheckpointError``)."""
 
@@ -36,6 +41,8 @@ class _AllowListUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _GETATTR:
+            return self._enum_member
         obj = self._allowed(module, name)
         if obj is None:
             raise UnsafeCheckpointError(
@@ -43,6 +50,15 @@ class _AllowListUnpickler(pickle.Unpickler):
                 "(it could run code); refusing to read it. Re-create the checkpoint with megatron-cascade or take "
                 "it from a source you trust")
         return obj
+
+    def _enum_member(self, cls: Any, name: Any) -> Any:
+        """``getattr(cls, name)`` for exactly a member of an allow-listed Enum: how Python 3.11.0-3.11.4
+        (Debian 12's 3.11.2) pickles an Enum member; other versions call the class with the value."""
+        if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise UnsafeCheckpointError(
+            f"{self._path} is not plain data: its pickle asks for getattr({cls!r}, {name!r}); only a member of an "
+            "allowed Enum may be looked up this way. Refusing to read it")
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(f"{self._path}: unexpected persistent id {pid!r} in a metadata pickle")

@@ -9,6 +9,7 @@ when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set). Now each gives an error namin
 marker never appears. Legit checkpoints keep loading (the existing convert and resume tests).
 """
 
+import io
 import os
 import pickle
 import shutil
@@ -285,4 +286,64 @@ def test_metadata_object_without_its_fields_is_refused(tmp_path):
     hollow = TensorStorageMetadata.__new__(TensorStorageMetadata)
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({"w": hollow})))
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: invalid checkpoint metadata \(AttributeError"):
+        read_dcp_metadata(str(tmp_path))
+
+
+class _Python3112Pickler(pickle.Pickler):
+    """Pickles Enum members as Python 3.11.0-3.11.4 does (Debian 12's 3.11.2): ``getattr(cls, name)``."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _dumps_3112(obj, protocol) -> bytes:
+    buffer = io.BytesIO()
+    _Python3112Pickler(buffer, protocol=protocol).dump(obj)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])  # ``__builtin__ getattr`` (GLOBAL) and ``builtins getattr``
+def test_metadata_pickled_by_python_3_11_2_loads(tmp_path, protocol):
+    """Enum members in a .metadata (tensor memory formats, save-plan item types) as 3.11.2 pickles them."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    from megatron_cascade.checkpoint_safety import check_data_spans, read_dcp_metadata
+
+    directory = _forged_metadata(tmp_path)
+    with open(os.path.join(directory, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    plan = SavePlan([WriteItem(index=next(iter(meta.storage_data)), type=WriteItemType.TENSOR)])
+    meta.storage_meta = None
+    meta.planner_data = {"all_local_plans": [plan]}
+    data = _dumps_3112(meta, protocol)
+    assert b"getattr" in data and b"_MEM_FORMAT_ENCODING" in data and b"WriteItemType" in data
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        f.write(data)
+    loaded = read_dcp_metadata(directory)
+    check_data_spans(directory, loaded)
+    props = loaded.state_dict_metadata["w"].properties
+    assert props.memory_format is torch.contiguous_format  # decoded from _MEM_FORMAT_ENCODING's member
+    assert loaded.planner_data["all_local_plans"][0].items[0].type is WriteItemType.TENSOR
+    assert _MEM_FORMAT_ENCODING  # the Enum the form names
+
+
+@pytest.mark.parametrize("target,name", [
+    ("torch.distributed.checkpoint.planner WriteItemType", "__class__"),  # the Enum's metaclass
+    ("torch.distributed.checkpoint.planner WriteItemType", "_value2member_map_"),
+    ("torch.distributed.checkpoint.planner SavePlan", "__init__"),  # an allowed class that is not an Enum
+    ("torch Size", "__new__"),
+])
+def test_getattr_in_a_pickle_reaches_only_enum_members(tmp_path, target, name):
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
+
+    module, cls = target.split()
+    data = (b"\x80\x02c__builtin__\ngetattr\nc" + module.encode() + b"\n" + cls.encode() + b"\nX"
+            + len(name).to_bytes(4, "little") + name.encode() + b"\x86R.")
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(UnsafeCheckpointError, match=r"only a member of an allowed Enum"):
         read_dcp_metadata(str(tmp_path))
