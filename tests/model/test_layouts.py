@@ -4,7 +4,9 @@ The reference runs in one process. Each parallel layout runs on 2 gloo processes
 reference weights through a distributed checkpoint, and returns its logits gathered to full size;
 its gradients are written as a distributed checkpoint and re-assembled at TP=1 to compare whole.
 The loss is sum(logits * R) over the global batch, with each data-parallel rank taking its slice of
-the batch and gradients summed over data-parallel replicas, so every layout computes the same sum.
+the batch and gradients summed over data-parallel replicas, so every layout computes the same sum, in
+another order: results agree within a few fp32 roundoffs of each tensor's scale
+(``megatron_cascade/testing/tolerances.py``).
 """
 
 from dataclasses import replace
@@ -15,6 +17,7 @@ import torch
 from megatron_cascade.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.testing.checkpoints import full_state_dict
+from megatron_cascade.testing.tolerances import assert_equal_up_to_summation_order
 
 pytestmark = pytest.mark.distributed
 
@@ -119,9 +122,9 @@ def test_layout_matches_single_process(reference, kind, tag, parallel):
     logits = [r[0] for r in results if r[0] is not None]
     assert logits, "no rank returned logits"
     for got in logits:
-        torch.testing.assert_close(got, ref_logits, atol=1e-5, rtol=1e-5)
+        assert_equal_up_to_summation_order(got, ref_logits, "logits")
     grads = results[0][1]
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         assert ref.abs().sum() > 0 or "bias" in name, f"reference gradient of {name} is all zero"
-        torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert_equal_up_to_summation_order(grads[name], ref, name)
