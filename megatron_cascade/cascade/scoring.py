@@ -28,7 +28,7 @@ from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.rewards import build_reward, score_batch
 from megatron_cascade.rewards.reasoning import ReasoningParser, build_reasoning_parser
 from megatron_cascade.rewards.registry import is_group_reward, score_group
-from megatron_cascade.rewards.scoring import ScoringPool, finalize_flags
+from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
 from megatron_cascade.rollout import RolloutSample
 from megatron_cascade.rollout.groups import model_parallel_source
 
@@ -108,7 +108,9 @@ class RolloutScorer:
     manager so that an exception during generation still ends the pool's dispatcher.
 
     After ``collect``/``collect_flags``, ``reasoning_unfinished`` ([N] bool, every model-parallel
-    rank) flags the samples whose reasoning never closed (scored 0 by the reasoning parser).
+    rank) flags the samples whose reasoning never closed (scored 0 by the reasoning parser), and
+    ``response_faults`` ([N] bool) those that broke their own scoring (scored 0 as a verdict:
+    :mod:`megatron_cascade.rewards.outcome`; not errors).
     """
 
     def __init__(self, rewards: dict, domains: dict[str, DomainConfig], tokenizer, prompt_rows: Sequence[dict],
@@ -127,6 +129,7 @@ class RolloutScorer:
         self.arrived: dict[int, int] = {}  # group reward: prompt -> samples seen (unfinished included)
         self.group_tickets: dict[int, tuple[int, list[int]]] = {}  # prompt -> (pool index, sample indices)
         self.reasoning_unfinished = torch.zeros(0, dtype=torch.bool)
+        self.response_faults = torch.zeros(0, dtype=torch.bool)
 
     def __enter__(self) -> "RolloutScorer":
         return self
@@ -192,7 +195,7 @@ class RolloutScorer:
         the same on every model-parallel rank) instead of the count."""
         start = time.perf_counter()
         n = len(samples)
-        out = torch.zeros(3 * n, dtype=torch.float64)  # scores, error flags, unfinished flags: one broadcast
+        out = torch.zeros(4 * n, dtype=torch.float64)  # scores, error, unfinished, fault flags: one broadcast
         if self.pool is not None:
             for i, sample in enumerate(samples):
                 self.on_finished(i, sample)
@@ -203,9 +206,10 @@ class RolloutScorer:
             for domain in sorted(set(row_domains)):
                 index = [i for i, d in enumerate(row_domains) if d == domain and i not in self.unfinished]
                 name = getattr(self.rewards[domain], "name", repr(self.rewards[domain]))
-                scores, errored = finalize_flags([raw[i] for i in index], name)
+                scores, errored, faulted = finalize_outcomes([raw[i] for i in index], name)
                 out[index] = torch.tensor(scores, dtype=torch.float64)
                 out[[n + i for i in index]] = torch.tensor(errored, dtype=torch.float64)
+                out[[3 * n + i for i in index]] = torch.tensor(faulted, dtype=torch.float64)
                 if any(errored):
                     log.warning("reward %s: %d of %d responses errored or timed out (invalid samples)",
                                 self.domains[domain].reward.name, sum(errored), len(index))
@@ -215,7 +219,8 @@ class RolloutScorer:
                          len(self.unfinished), n)
         if dist.get_world_size(self.group) > 1:
             dist.broadcast(out, src=self.src, group=self.group)
-        self.reasoning_unfinished = out[2 * n:] > 0
+        self.reasoning_unfinished = out[2 * n:3 * n] > 0
+        self.response_faults = out[3 * n:] > 0
         return out[:n], out[n:2 * n] > 0, time.perf_counter() - start
 
     def _raw_per_sample(self, pool_raw: list) -> dict[int, object]:

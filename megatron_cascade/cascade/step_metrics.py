@@ -76,7 +76,9 @@ def _episode_metrics(total: dict[str, float]) -> dict[str, float]:
 
 def _reward_metrics(total: dict[str, float], domains: list[str], samples: float, sum_of) -> dict[str, float]:
     """Reward mean/std over samples whose reward did not fail (after the overlong policy), the
-    verifiers' raw mean, failures, and the mean per domain."""
+    verifiers' raw mean, failures (infrastructure: invalid samples) and response faults (responses
+    that broke their own scoring: scored 0, among the scored), in all and per domain, and the mean
+    per domain."""
     scored = sum_of("scored")
     mean = _div(sum_of("reward_sum"), scored)
     out = {
@@ -85,10 +87,14 @@ def _reward_metrics(total: dict[str, float], domains: list[str], samples: float,
         "reward/raw_mean": _div(sum_of("raw_reward_sum"), scored),
         "reward/errors": samples - scored,
         "reward/error_frac": _div(samples - scored, samples),
+        "reward/response_faults": sum(total.get(f"response_faults/{d}", 0.0) for d in domains),
     }
     for d in domains:
         if total[f"scored/{d}"]:
             out[f"reward/domain/{d}"] = total[f"reward_sum/{d}"] / total[f"scored/{d}"]
+        if total[f"samples/{d}"]:
+            out[f"reward/errors/{d}"] = total[f"samples/{d}"] - total[f"scored/{d}"]
+            out[f"reward/response_faults/{d}"] = total.get(f"response_faults/{d}", 0.0)
     return out
 
 

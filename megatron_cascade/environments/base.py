@@ -82,7 +82,9 @@ class Environment:
     def step(self, state: Any, action_ids: Sequence[int], action_text: str) -> EnvStep:
         """Answer one model turn: ``action_ids`` are the sampled tokens of the turn (its end-of-turn
         token included when sampled), ``action_text`` their decoding. May block (runs in a worker
-        thread with a deadline); an exception makes the episode's reward an error (invalid sample)."""
+        thread with a deadline). Raise :class:`~megatron_cascade.rewards.outcome.ResponseFault` when
+        the turn itself makes the step impossible (the episode ends scoring 0, a verdict); any other
+        exception makes the episode's reward an error (invalid sample)."""
         raise NotImplementedError
 
     def finish(self, state: Any) -> None:

@@ -27,6 +27,9 @@ class EpisodeSample(RolloutSample):
         turn_rewards: per environment step, its reward (added to the episode's score).
         timed_out: an environment step overran ``environment.step_timeout_s`` (the episode scores 0).
         env_error: the exception text of a failing environment step (the reward counts as failed).
+        response_fault: the text of a :class:`~megatron_cascade.rewards.outcome.ResponseFault` an
+            environment step raised: the model's turn made the step impossible (the episode scores 0,
+            a verdict, not an invalid sample).
         metrics: environment metrics summed over the episode's steps (``EnvStep.metrics``).
 
     ``finish_reason`` is "stop" when the environment ended the episode, "length" when a turn hit its
@@ -38,6 +41,7 @@ class EpisodeSample(RolloutSample):
     turn_rewards: list[float] = field(default_factory=list)
     timed_out: bool = False
     env_error: Optional[str] = None
+    response_fault: Optional[str] = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -105,8 +109,9 @@ class Episode:
     def apply(self, outcome: "StepOutcome", limit: int) -> None:
         """Apply the environment's answer: end the episode or append its observation (mask 0)."""
         s = self.sample
-        if outcome.error is not None or outcome.timed_out:
+        if outcome.error is not None or outcome.timed_out or outcome.response_fault is not None:
             s.env_error, s.timed_out, s.finish_reason = outcome.error, outcome.timed_out, "stop"
+            s.response_fault = outcome.response_fault
             self.done = True
             return
         s.turn_rewards.append(outcome.reward)
@@ -137,6 +142,7 @@ class StepOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     timed_out: bool = False
     error: Optional[str] = None
+    response_fault: Optional[str] = None
 
     @classmethod
     def of(cls, step: EnvStep) -> "StepOutcome":

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_cascade.environments.episode import Episode, EpisodeSample, EpisodeSettings, StepOutcome
 from megatron_cascade.environments.workers import Pending
+from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, RolloutSample, SamplingParams, generate
 from megatron_cascade.rollout.batch import GenerationStats
 from megatron_cascade.rollout.groups import model_parallel_source, replica_groups
@@ -146,6 +147,9 @@ def _outcomes(stepped: list[int], pending: dict[int, Pending]) -> list[StepOutco
         if not job.wait():
             log.warning("episode %d: environment step timed out (episode scores 0)", index)
             out.append(StepOutcome(timed_out=True))
+        elif isinstance(job.error, ResponseFault):  # the turn made the step impossible: a verdict
+            log.warning("episode %d: the model's turn broke its environment (episode scores 0): %s", index, job.error)
+            out.append(StepOutcome(response_fault=str(job.error)))
         elif job.error is not None:
             out.append(StepOutcome(error=f"{type(job.error).__name__}: {job.error}"))
         else:

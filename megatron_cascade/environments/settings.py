@@ -36,11 +36,12 @@ def domain_episode_settings(domains: Mapping[str, DomainConfig], names: Sequence
 def episode_scores(samples: Sequence[EpisodeSample], scores: torch.Tensor,
                    errored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The episodes' scores: the reward of the transcript plus the environment's turn rewards; an
-    episode whose environment step timed out scores 0 (a valid sample: the tool hung), one whose
-    step raised is a failed reward (``errored``, invalid sample)."""
+    episode whose environment step timed out or that broke its environment (``response_fault``)
+    scores 0 (a valid sample: the tool hung, the turn was the problem), one whose step raised
+    otherwise is a failed reward (``errored``, invalid sample)."""
     scores, errored = scores.clone(), errored.clone()
     for i, s in enumerate(samples):
-        if s.timed_out:
+        if s.timed_out or s.response_fault is not None:
             scores[i], errored[i] = 0.0, False
         elif s.env_error is not None:
             scores[i], errored[i] = 0.0, True

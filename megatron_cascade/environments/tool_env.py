@@ -20,7 +20,15 @@ import jsonschema
 from megatron_cascade.environments.base import EnvStep, Environment, register_environment
 from megatron_cascade.environments.chat import tool_turn_ids
 from megatron_cascade.environments.tool_calls import BadToolCall, ToolCall, parse_tool_calls
-from megatron_cascade.environments.tools import PythonTool, ToolFn, load_tool, result_text
+from megatron_cascade.environments.tools import BUILTIN_TOOLS, PythonTool, ToolFn, load_tool, result_text
+from megatron_cascade.rewards.outcome import ResponseFault
+
+
+def escape_unencodable(text: str) -> str:
+    """``text`` with every character outside printable ASCII, newline and tab written as its Python
+    escape (``é`` -> ``\\xe9``): what any tokenizer can encode."""
+    return "".join(ch if (" " <= ch <= "~") or ch in "\n\t" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
 
 
 def declared_tools(row: dict) -> dict[str, dict]:
@@ -67,8 +75,13 @@ class ToolCallingEnvironment(Environment):
                 impl.preflight()
 
     def _impl(self, name: str) -> ToolFn:
+        """The implementation of a tool a row declares: the config's, else the built-in of that name.
+        A row is data: a name it declares never imports code (``os:system`` is refused)."""
         if name not in self.impls:
-            self.impls[name] = load_tool(name, **self.options)  # a built-in of that name, or KeyError
+            if name not in BUILTIN_TOOLS:
+                raise ValueError(f"the row declares tool {name!r}, which environment.kwargs.tools does not map "
+                                 f"and is not a built-in ({', '.join(BUILTIN_TOOLS)})")
+            self.impls[name] = load_tool(name, **self.options)
         return self.impls[name]
 
     def start(self, row: dict) -> dict[str, tuple[dict, ToolFn]]:
@@ -82,8 +95,24 @@ class ToolCallingEnvironment(Environment):
         results = [self._run(state, call) for call in calls]
         ok = sum(1 for r in results if not r.startswith("error:"))
         turn_ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_id
-        return EnvStep(observation_ids=tool_turn_ids(self.tokenizer, results, turn_ended),
+        return EnvStep(observation_ids=self._observation_ids(results, turn_ended),
                        metrics={"tool_calls": float(len(calls)), "tool_calls_ok": float(ok)})
+
+    def _observation_ids(self, results: list[str], turn_ended: bool) -> list[int]:
+        """The tool turn's tokens. Results echo what the model wrote (a tool name, a program's
+        output): where the tokenizer cannot encode a character of theirs (a character vocabulary),
+        they go back with such characters escaped (``\\xe9``), so that the turn costs the episode
+        nothing it could use to escape its reward; if even that fails, the turn is at fault."""
+        try:
+            return tool_turn_ids(self.tokenizer, results, turn_ended)
+        except ValueError:
+            escaped = [escape_unencodable(r) for r in results]
+            if escaped == results:
+                raise  # not a character problem: the template's (an error of the environment)
+        try:
+            return tool_turn_ids(self.tokenizer, escaped, turn_ended)
+        except ValueError as e:
+            raise ResponseFault(f"the tool results of this turn cannot be tokenized: {e}") from None
 
     def _run(self, state: dict[str, tuple[dict, Any]], call: ToolCall | BadToolCall) -> str:
         if isinstance(call, BadToolCall):

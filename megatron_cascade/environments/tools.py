@@ -85,8 +85,12 @@ class PythonTool:
         return result.stdout
 
 
+BUILTIN_TOOLS = ("calculator", "python")
+
+
 def load_tool(spec: str, *, python_timeout_s: float = 5.0, allow_unsafe_sandbox: bool = False) -> ToolFn:
-    """The implementation named ``spec``: ``calculator``, ``python``, or ``pkg.module:function``."""
+    """The implementation named ``spec``: ``calculator``, ``python``, or ``pkg.module:function``
+    (imported: only for names the config gives, never for a data row's)."""
     if spec == "calculator":
         return calculator
     if spec == "python":

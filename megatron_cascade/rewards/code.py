@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rewards.registry import register_reward
 from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits, SandboxResult
 
@@ -43,13 +44,20 @@ def normalize_output(text: str) -> str:
 
 def _compiles(source: str) -> bool:
     """Whether ``source`` compiles. A syntax error fails every test: no need to spawn a process per
-    test to learn that. Anything else ``compile`` raises (RecursionError on a 6 KB ``x=1+1+...``,
-    MemoryError) propagates: the caller scores that item alone as an error."""
+    test to learn that.
+
+    Raises:
+        ResponseFault: ``compile`` itself gave up on the program (RecursionError on a 6 KB
+            ``x=1+1+...``, MemoryError): the response broke its scoring, it scores 0 as a verdict
+            (an invalid sample instead would let a wrong program escape its negative advantage).
+    """
     try:
         compile(source, "main.py", "exec")
         return True
     except (SyntaxError, ValueError):
         return False
+    except (RecursionError, MemoryError) as e:
+        raise ResponseFault(f"the program is too deep or too large for Python's compiler ({type(e).__name__})") from None
 
 
 def _tests_of(sample: dict) -> list[tuple[str, str]]:
@@ -69,8 +77,8 @@ def _tests_of(sample: dict) -> list[tuple[str, str]]:
 def _jobs(responses: Sequence[str], samples: Sequence[dict]
           ) -> tuple[list[tuple[int, Program, str]], list[int], dict[int, Exception]]:
     """Flatten to (response index, program, expected output); also tests per response and the
-    items that cannot be scored at all (a malformed row, a program ``compile`` chokes on) with their
-    error: each of those scores alone as an error, the rest of the batch runs."""
+    items that cannot be scored at all with their exception: a malformed row (an error) or a program
+    ``compile`` chokes on (a :class:`ResponseFault`); the rest of the batch runs."""
     jobs, n_tests, errors = [], [], {}
     for i, (response, sample) in enumerate(zip(responses, samples)):
         try:
@@ -92,7 +100,8 @@ def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
                       max_workers: int | None = None, max_processes: int = 4, allow_unsafe_sandbox: bool = False,
                       uid_base: int = 61000) -> list[float | BaseException]:
     """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool. A malformed
-    row or a program that breaks the compile check is returned as that item's exception.
+    row (an error) or a program that breaks the compile check (a :class:`ResponseFault`) is returned
+    as that item's exception.
 
     Raises:
         SandboxUnavailableError: isolation cannot be had here and ``allow_unsafe_sandbox`` is off.

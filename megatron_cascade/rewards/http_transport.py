@@ -12,7 +12,10 @@ Here:
 * the reply is read in chunks and refused past ``max_reply_bytes`` (at once when its
   ``Content-Length`` announces more);
 * a redirect is never followed: a 3xx reply is an error naming its ``Location``, so credentials
-  never leave the configured host (configure the final address instead).
+  never leave the configured host (configure the final address instead);
+* a request refused for its size (HTTP 413, or 400/422 whose body speaks of the context length, as
+  vLLM, SGLang and OpenAI word it) raises :class:`RequestTooLongError`: the caller knows which text
+  made it long (a response padded past a judge's context is that response's fault, not the server's).
 
 Proxies from the environment (``https_proxy``, ``no_proxy``) apply as with plain urllib.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import re
 import socket
 import threading
 import urllib.error
@@ -39,6 +43,18 @@ class ReplyTooLargeError(RuntimeError):
 
 class RedirectRefusedError(RuntimeError):
     """The server answered with a redirect, which is not followed."""
+
+
+class RequestTooLongError(RuntimeError):
+    """The server refused the request for its length (HTTP 413, or 400/422 about the context length)."""
+
+
+# How OpenAI-compatible servers word a prompt longer than the model's context (vLLM: "This model's
+# maximum context length is 4096 tokens. However, you requested ..."; SGLang: "The input (5000 tokens)
+# is longer than the model's context length (4096 tokens)."; others: "prompt is too long").
+_CONTEXT_LENGTH = re.compile(r"context[ _-]?(length|window|size)|too long|too many tokens|maximum .{0,40}length",
+                             re.IGNORECASE)
+_ERROR_BODY_BYTES = 16384  # of a 4xx reply, read to tell a context-length refusal from another one
 
 
 class _Deadline:
@@ -127,6 +143,7 @@ def post_json(url: str, body: Any, *, headers: Mapping[str, str], timeout_s: flo
         max_reply_bytes: largest reply body accepted.
     Raises:
         RetryableError: the deadline passed, the connection failed, or HTTP 429 / 5xx.
+        RequestTooLongError: HTTP 413, or 400 / 422 whose body names the context length.
         urllib.error.HTTPError: another HTTP error status (4xx).
         RedirectRefusedError: a 3xx reply.
         ReplyTooLargeError: the reply exceeds ``max_reply_bytes``.
@@ -139,9 +156,16 @@ def post_json(url: str, body: Any, *, headers: Mapping[str, str], timeout_s: flo
         with opener.open(request, timeout=timeout_s) as resp:
             payload = _read_capped(resp, max_reply_bytes)
     except urllib.error.HTTPError as e:
-        e.close()
+        try:
+            detail = e.read(_ERROR_BODY_BYTES).decode("utf-8", "replace") if e.code in (400, 422) else ""
+        except (OSError, http.client.HTTPException):
+            detail = ""
+        finally:
+            e.close()
         if e.code == 429 or e.code >= 500:
             raise RetryableError(f"HTTP {e.code}") from e
+        if e.code == 413 or _CONTEXT_LENGTH.search(detail):
+            raise RequestTooLongError(f"HTTP {e.code}: the request is too long for the server: {detail[:300]!r}") from e
         raise
     except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, truncated replies
         raise RetryableError(_expired(timeout_s) if deadline.expired else f"{type(e).__name__}: {e}") from e

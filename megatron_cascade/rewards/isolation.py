@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
+from megatron_cascade.rewards.outcome import ResponseTimeout
+
 LOAD_TIMEOUT_S = 120.0  # importing a reward's module in a fresh worker (SymPy: ~0.5 s)
 _DEFAULT_MAX_PROCESSES = 8  # per trainer process; verifier calls take milliseconds
 _BOOTSTRAP = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
@@ -153,8 +155,9 @@ class VerifierProcessPool:
     def call(self, fn: Callable[[str, dict], Any], response: str, sample: dict, timeout_s: float,
              on_start: Optional[Callable[[float], None]] = None) -> Any:
         """``fn(response, sample)`` in a worker: its float, or (returned, not raised) the exception
-        it raised, a :class:`TimeoutError` when it ran past ``timeout_s`` seconds (the worker is
-        killed), or a RuntimeError when the worker died or could not load ``fn``.
+        it raised, a :class:`~megatron_cascade.rewards.outcome.ResponseTimeout` when it ran past
+        ``timeout_s`` seconds (the worker is killed), or a RuntimeError / TimeoutError when the worker
+        died or could not load ``fn`` (infrastructure).
 
         ``on_start(t)`` is called with the ``time.monotonic()`` at which the deadline started.
         """
@@ -236,7 +239,9 @@ class VerifierProcessPool:
                     on_start(start)
                 message = worker.wait(start + timeout_s - time.monotonic())
                 if message is None:
-                    return TimeoutError(f"reward timed out after {timeout_s:g} s (verifier process killed)"), False
+                    # The verifier judged only the response: the response's own timeout (a verdict).
+                    return ResponseTimeout(f"reward timed out after {timeout_s:g} s judging the response "
+                                           "(verifier process killed)"), False
             return message[1], True
         except (EOFError, OSError) as e:
             try:

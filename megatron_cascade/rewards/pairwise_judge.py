@@ -13,9 +13,13 @@ scorer calls it once per prompt with all G responses. ``compare``:
 
 With ``swap: true`` (default) every pair is judged in both orders, so that the judge's position
 bias cancels. A verdict is a win (1), a tie (0.5) or a loss (0) for the response shown first; a
-response's reward is the mean of its verdicts. A judgment whose call failed (server down, deadline,
-oversized or malformed reply, no verdict in the text) is left out; a response left with no verdict
-at all is an invalid sample (its exception is returned: scored 0, flagged, never a crash).
+response's reward is the mean of its verdicts. A judgment the server refused for its length (HTTP 413
+or a context-length 400) is lost by the longer of its two responses and won by the other (a forfeit:
+padding a losing answer past the judge's context must not turn a loss into an invalid sample); a
+response that lost every judgment that way is a response fault (scored 0, a verdict). A judgment
+whose call failed otherwise (server down, deadline, oversized or malformed reply, no verdict in the
+text, a reference answer too long) is left out; a response left with no verdict at all is an invalid
+sample (its exception is returned: scored 0, flagged, never a crash).
 
 Transport: the hardened client of ``reward_model`` (:class:`RewardModelClient`, OpenAI-compatible
 ``POST {url}/v1/chat/completions``): ``timeout_s`` is the total deadline of one attempt,
@@ -32,8 +36,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from megatron_cascade.rewards.http_transport import RequestTooLongError
 from megatron_cascade.rewards.registry import register_reward
-from megatron_cascade.rewards.reward_model import RewardModelClient
+from megatron_cascade.rewards.reward_model import RewardModelClient, too_long_fault
 
 DEFAULT_PAIRWISE_TEMPLATE = (
     "You compare two assistant responses to the same conversation.\n\n"
@@ -113,12 +118,19 @@ def judge_group(responses: Sequence[str], sample: dict, *, client: RewardModelCl
                                  jobs))
     verdicts: list[list[float]] = [[] for _ in responses]
     failures: list[list[BaseException]] = [[] for _ in responses]
+    forfeits: list[list[BaseException]] = [[] for _ in responses]  # judgments lost by being too long
     for (a, b), outcome in zip(jobs, outcomes):
+        if isinstance(outcome, RequestTooLongError):
+            longer = a if len(text(a)) >= len(text(b)) else b
+            if longer >= 0:  # a response made the judgment too long: it loses, the other wins
+                forfeits[longer].append(too_long_fault(outcome))
+                outcome = 0.0 if longer == a else 1.0
         failed = isinstance(outcome, BaseException)
         for k, value in ((a, outcome), (b, outcome if failed else 1.0 - outcome)):
             if k >= 0:  # the reference (-1) has no reward
                 (failures if failed else verdicts)[k].append(value)
-    return [sum(v) / len(v) if v else failures[k][0] for k, v in enumerate(verdicts)]
+    return [forfeits[k][0] if v and len(forfeits[k]) == len(v) else sum(v) / len(v) if v else failures[k][0]
+            for k, v in enumerate(verdicts)]
 
 
 def _safe(fn, *args: Any) -> float | BaseException:

@@ -20,7 +20,10 @@ Connection errors, deadlines, HTTP 429 and 5xx are retried ``max_retries`` times
 exponential backoff (``backoff_s * 2**attempt``), so one call takes at most about
 ``(max_retries + 1) * timeout_s`` plus the backoff; other HTTP errors, redirects, oversized and
 malformed replies raise at once. In score mode a request of several items rejected by the server
-(HTTP 4xx) is retried item by item, so that one bad response fails alone. An API key, if needed,
+(HTTP 4xx) is retried item by item, so that one bad response fails alone. A request of one response
+refused for its length (HTTP 413, or a context-length 400) is that response's fault: it scores 0 as a
+verdict (:class:`~megatron_cascade.rewards.outcome.ResponseFault`), never an invalid sample a policy
+could escape into by padding. An API key, if needed,
 is read from the environment variable named by ``api_key_env`` (never put keys in YAML).
 """
 
@@ -37,7 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from megatron_cascade.rewards.http_transport import RetryableError, post_json
+from megatron_cascade.rewards.http_transport import RequestTooLongError, RetryableError, post_json
+from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rewards.registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -118,13 +122,13 @@ class RewardModelClient:
     def _score_chunk(self, prompts: list[str], responses: list[str]) -> list[float | BaseException]:
         try:
             return self._post_score_chunk(prompts, responses)
-        except urllib.error.HTTPError as e:
+        except (urllib.error.HTTPError, RequestTooLongError) as e:
             if len(prompts) == 1:
-                return [e]
+                return [too_long_fault(e) if isinstance(e, RequestTooLongError) else e]
             # The server refused this request (4xx): most likely one item of it (too long, bad
             # text). Item by item, so that it fails alone and the others keep their scores.
-            logger.info("reward model %s refused a batch of %d (HTTP %d); scoring its items one by one",
-                        self.url, len(prompts), e.code)
+            logger.info("reward model %s refused a batch of %d (%s); scoring its items one by one",
+                        self.url, len(prompts), e)
             return [v for p, r in zip(prompts, responses) for v in self._score_chunk([p], [r])]
         except Exception as e:  # noqa: BLE001 - server down, deadline, bad reply: the whole chunk failed
             return [e] * len(prompts)
@@ -156,6 +160,8 @@ class RewardModelClient:
     def _chat_one_safe(self, prompt: str, response: str, reference: str) -> float | BaseException:
         try:
             return self._chat_one(prompt, response, reference)
+        except RequestTooLongError as e:
+            return too_long_fault(e)
         except Exception as e:
             return e
 
@@ -207,6 +213,13 @@ class RewardModelClient:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
+
+
+def too_long_fault(error: RequestTooLongError) -> ResponseFault:
+    """A request holding one response refused for its length: the response's fault (scored 0)."""
+    fault = ResponseFault(f"the response made the request too long for the reward server ({error})")
+    fault.__cause__ = error
+    return fault
 
 
 def _finite(value: Any) -> bool:

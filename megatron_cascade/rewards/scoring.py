@@ -1,8 +1,12 @@
 """Batch scoring: run any reward over many responses without ever stopping the run.
 
-A reward that raises, returns a non-finite value or exceeds ``timeout_s`` scores 0 for
-that response; it is counted in the returned error count (``finalize_flags``: flagged per item,
-so that training can leave the sample out rather than learn from the 0) and logged (``logging``).
+Each item's outcome is of one of the kinds of :mod:`megatron_cascade.rewards.outcome`. A reward that
+raises, returns a non-finite value or exceeds ``timeout_s`` for a reason outside the response (an
+infrastructure failure) scores 0 for that response; it is counted in the returned error count
+(``finalize_flags``: flagged per item, so that training can leave the sample out rather than learn
+from the 0) and logged (``logging``). A response that broke its own scoring (a
+:class:`~megatron_cascade.rewards.outcome.ResponseFault`, a built-in verifier killed at its deadline)
+scores 0 as a verdict: it is not an error, and ``finalize_outcomes`` flags it apart.
 
 ``score_batch`` scores a whole list at once; ``ScoringPool`` takes responses one by one while
 the caller does other work (generation hands it each sample as it finishes) and waits only for
@@ -23,6 +27,7 @@ from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_cascade.rewards.isolation import verifier_pool
+from megatron_cascade.rewards.outcome import OutcomeKind, ResponseTimeout, outcome_kind
 from megatron_cascade.rewards.registry import BoundReward, runs_in_process
 
 logger = logging.getLogger(__name__)
@@ -42,8 +47,10 @@ def score_batch(reward_fn: Callable[[str, dict], float], responses: Sequence[str
             batch and enforces its own timeouts (sandbox wall clock, HTTP deadlines); a call still
             running after ``timeout_s`` per item (summed) is abandoned and every item times out.
         timeout_s: per-response limit in seconds. A reward marked ``run_in_process`` (the
-            built-in verifiers) is killed with its worker process at the limit; another timed-out
-            call cannot be interrupted: its thread is abandoned (daemon) and replaced.
+            built-in verifiers, which judge the response alone) is killed with its worker process
+            at the limit, a response fault; another timed-out call (a server, a user reward) is an
+            infrastructure failure and cannot be interrupted: its thread is abandoned (daemon) and
+            replaced.
         max_workers: threads (default ``os.cpu_count()``).
 
     Scores are clamped to [0, 1].
@@ -150,6 +157,7 @@ class ScoringPool:
     def _dispatch(self) -> None:
         pending: deque = deque()  # items waiting for a worker
         active: dict[int, tuple[list[int], Optional[float]]] = {}  # job -> (item indices, deadline)
+        on_timeout: dict[int, BaseException] = {}  # job -> what its items score when its deadline passes
         results: dict[int, Any] = {}
         closed, jobs = False, 0
         try:
@@ -167,6 +175,8 @@ class ScoringPool:
                     else:
                         deadline = time.monotonic() + items[0][4]
                     active[jobs] = ([item[0] for item in items], deadline)
+                    # A verifier judging the response alone ran out of time on it: the response's own timeout.
+                    on_timeout[jobs] = (_response_timeout(items[0][4]) if deadline is None else _TIMED_OUT)
                     threading.Thread(target=self._work, args=(jobs, items), daemon=True,
                                      name=f"reward-{items[0][0]}").start()
                     jobs += 1
@@ -190,7 +200,7 @@ class ScoringPool:
                     results.update(zip(indices, payload[1]))
                 now = time.monotonic()
                 for job in [j for j, (_, d) in active.items() if d is not None and d <= now]:
-                    results.update((index, _TIMED_OUT) for index in active.pop(job)[0])
+                    results.update((index, on_timeout[job]) for index in active.pop(job)[0])
         except BaseException as e:  # noqa: BLE001 - surfaced by results()
             self._failure = e
         self._raw = [results.get(i, _TIMED_OUT) for i in range(self._submitted)]
@@ -210,6 +220,10 @@ class ScoringPool:
         except BaseException as e:  # noqa: BLE001 - reported as the items' error, never a lost job
             values = [e] * len(items)
         self._events.put(("done", (job, values)))
+
+
+def _response_timeout(timeout_s: float) -> ResponseTimeout:
+    return ResponseTimeout(f"reward timed out after {timeout_s:g} s judging the response (verifier process killed)")
 
 
 def _is_batch(fn: Any) -> bool:
@@ -234,22 +248,33 @@ def finalize_scores(raw: list[Any], name: str) -> tuple[list[float], int]:
 
 
 def finalize_flags(raw: list[Any], name: str) -> tuple[list[float], list[bool]]:
-    """As :func:`finalize_scores`, but per item whether it errored (raised, timed out, returned a
-    non-number or a non-finite value) instead of the count."""
+    """As :func:`finalize_scores`, but per item whether it errored (an infrastructure failure: raised,
+    timed out, returned a non-number or a non-finite value) instead of the count."""
+    scores, errored, _ = finalize_outcomes(raw, name)
+    return scores, errored
+
+
+def finalize_outcomes(raw: list[Any], name: str) -> tuple[list[float], list[bool], list[bool]]:
+    """Per item its score in [0, 1], whether it errored (an infrastructure failure: an invalid
+    sample) and whether the response broke its own scoring (a verdict: 0, not an error). The first
+    errors and response faults are logged under reward ``name``."""
     scores: list[float] = []
     errored: list[bool] = []
+    faulted: list[bool] = []
     for i, value in enumerate(raw):
         score, err = _to_score(value)
-        if err is not None and sum(errored) < _MAX_LOGGED_ERRORS:
-            logger.warning("reward %s failed on item %d: %s: %s", name, i,
-                           type(err).__name__, _safe_text(err)[:500])
-        errored.append(err is not None)
+        fault = err is not None and outcome_kind(err) is OutcomeKind.RESPONSE_FAULT
+        if err is not None and sum(errored) + sum(faulted) < _MAX_LOGGED_ERRORS:
+            what = "the response broke its scoring (scored 0, a verdict)" if fault else "failed"
+            logger.warning("reward %s: item %d: %s: %s: %s", name, i, what, type(err).__name__,
+                           _safe_text(err)[:500])
+        errored.append(err is not None and not fault)
+        faulted.append(fault)
         scores.append(score)
-    errors = sum(errored)
-    if errors > _MAX_LOGGED_ERRORS:
-        logger.warning("reward %s: %d/%d items failed (first %d logged)", name, errors,
-                       len(raw), _MAX_LOGGED_ERRORS)
-    return scores, errored
+    if sum(errored) + sum(faulted) > _MAX_LOGGED_ERRORS:
+        logger.warning("reward %s: %d/%d items failed, %d broke their own scoring (first %d logged)", name,
+                       sum(errored), len(raw), sum(faulted), _MAX_LOGGED_ERRORS)
+    return scores, errored, faulted
 
 
 def _finalize(raw: list[Any], name: str) -> tuple[list[float], int]:

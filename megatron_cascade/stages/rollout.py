@@ -106,6 +106,9 @@ class RolloutStage(StageType):
             if scorer:
                 scores, errored, reward_s = scorer.collect_flags(rollouts.samples)  # reward_s: the stragglers
                 timing["time/reward_s"] += reward_s
+                for i in scorer.response_faults.nonzero().flatten().tolist():  # counted with the environment's
+                    sample = rollouts.samples[i]
+                    sample.response_fault = getattr(sample, "response_fault", None) or "the response broke its scoring"
             else:
                 scores = torch.zeros(len(rollouts), dtype=torch.float64)
                 errored = torch.zeros(len(rollouts), dtype=torch.bool)
@@ -189,6 +192,8 @@ class RolloutStage(StageType):
                 _add(sums, "generation_recomputed_tokens", float(stats.recomputed_tokens))
                 peak_requests = max(peak_requests, float(stats.peak_requests))
             scored = ~rnd.errored
+            faulted = torch.tensor([getattr(s, "response_fault", None) is not None for s in rnd.rollouts],
+                                   dtype=torch.bool)
             reward = rnd.rewards.flatten().to(torch.float64)
             lengths = torch.tensor([float(len(s.response_ids)) for s in rnd.rollouts])
             stopped = torch.tensor([float(s.finish_reason == "stop") for s in rnd.rollouts])
@@ -204,6 +209,7 @@ class RolloutStage(StageType):
                 if self.entry.rewards:
                     ok = mine & scored
                     _add(sums, f"scored/{domain}", float(ok.sum()))
+                    _add(sums, f"response_faults/{domain}", float((mine & faulted).sum()))
                     _add(sums, f"reward_sum/{domain}", float(reward[ok].sum()))
                     _add(sums, f"reward_sq_sum/{domain}", float((reward[ok] ** 2).sum()))
                     _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))

@@ -1,5 +1,6 @@
-"""One bad item of a code-reward batch scores only itself 0, counted as an error; the others keep
-their scores (issue 13: one 6 KB ``x=1+1+...`` program or one row without ``tests`` zeroed the batch)."""
+"""One bad item of a code-reward batch scores only itself 0 — a bad row counted as an error, a program
+that breaks the compile check as the response's fault (a verdict) —; the others keep their scores
+(issue 13: one 6 KB ``x=1+1+...`` program or one row without ``tests`` zeroed the batch)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_compile_check_recursion_error_hits_only_its_item():
     bomb = "```python\nx = 1" + " + 1" * 3000 + "\nprint(x)\n```"  # ~12 KB: RecursionError in compile()
     scores, errors = _score([GOOD, bomb, GOOD], [GOOD_ROW, GOOD_ROW, GOOD_ROW])
     assert scores == [1.0, 0.0, 1.0]
-    assert errors == 1
+    assert errors == 0  # the program broke its own scoring: a verdict (tests/rewards/test_reward_outcomes.py)
 
 
 def test_row_without_tests_hits_only_its_item():

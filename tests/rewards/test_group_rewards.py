@@ -17,7 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megatron_cascade.rewards import build_reward
+from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rewards.pairwise_judge import pairs_for, parse_verdict, render_conversation
+from megatron_cascade.rewards.scoring import finalize_outcomes
 from megatron_cascade.testing import run_distributed
 
 _STOP = threading.Event()
@@ -226,3 +228,32 @@ def test_scorer_calls_a_group_reward_once_per_prompt_with_all_its_responses(judg
     judged = [_sides(c) for c in server.contents]
     assert ("3", "1") in judged and ("0", "8") in judged  # the answer after </think>; "9" never shown
     assert not any("9" in a or "9" in b for a, b in judged)
+
+
+def _small_context_judge(handler, content: str) -> None:
+    """A judge with a 200-character context, refusing longer prompts as vLLM words it (HTTP 400)."""
+    if len(content) > 600:
+        payload = json.dumps({"object": "error", "message": "This model's maximum context length is 200 tokens. "
+                              f"However, you requested {len(content)} tokens.", "code": 400}).encode()
+        handler.send_response(400)
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.end_headers()
+        return handler.wfile.write(payload)
+    return larger_number_wins(handler, content)
+
+
+def test_a_losing_answer_padded_past_the_judge_context_loses_instead_of_escaping(judge):
+    """Before: "1" padded to 2,000 characters got HTTP 400 in every judgment and was returned as an
+    exception (an invalid sample: advantage 0 instead of the loser's negative one)."""
+    _, url = judge(_small_context_judge)
+    padded = "1" + " " * 2000
+    out = _group(url, ["5", padded, "3"], {"prompt": "which is larger"})
+    assert out[0] == 1.0 and out[2] == 0.5  # the padded answer forfeits: "3" beats it, loses to "5"
+    assert isinstance(out[1], ResponseFault)  # lost every judgment by being too long: a verdict
+    scores, errored, faulted = finalize_outcomes(out, "pairwise_judge")
+    assert scores == [1.0, 0.0, 0.5] and errored == [False, False, False] and faulted == [False, True, False]
+    # A judge that is down is still no verdict on anyone: every response an invalid sample.
+    _, down = judge(lambda handler, content: (handler.send_response(404), handler.send_header("Content-Length", "0"),
+                                              handler.end_headers()))
+    out = _group(down, ["5", "3"], {"prompt": "which is larger"}, max_retries=0)
+    assert finalize_outcomes(out, "pairwise_judge")[1] == [True, True]

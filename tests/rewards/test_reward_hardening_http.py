@@ -16,6 +16,7 @@ import pytest
 
 from megatron_cascade.rewards import build_reward, score_batch
 from megatron_cascade.rewards.reward_model import RewardModelClient
+from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
 
 
 class _Server(ThreadingHTTPServer):
@@ -162,7 +163,7 @@ def test_rejected_item_fails_alone(serve):
     def picky(handler, body):
         responses = body.get("responses") or [body["response"]]
         if "BAD" in responses:
-            return _reply(handler, 400, b"response too long")
+            return _reply(handler, 400, b"unsupported characters in response")  # a refusal not about length
         scores = [len(r) / 10 for r in responses]
         _reply(handler, 200, json.dumps({"scores": scores} if "responses" in body else {"score": scores[0]}).encode())
 
@@ -192,3 +193,27 @@ def test_bad_kwargs_fail_when_the_reward_is_built(kwargs, key):
     file:// URL, did something else)."""
     with pytest.raises(ValueError, match=f"{key} must be"):
         build_reward("reward_model", {"url": "http://127.0.0.1:9", **kwargs})
+
+
+@pytest.mark.parametrize("status, body", [(413, b""), (400, b'{"error": {"message": "The input (9000 tokens) is '
+                                                                b'longer than the model\'s context length (4096 tokens)."}}')])
+def test_a_response_too_long_for_the_reward_model_scores_zero_as_a_verdict(serve, status, body):
+    """Before: the 413 / context-length 400 was the item's error (an invalid sample, advantage 0):
+    padding a bad answer past the reward model's context escaped its low score."""
+
+    def small_context(handler, body_in):
+        responses = body_in.get("responses") or [body_in["response"]]
+        if any(len(r) > 100 for r in responses):
+            return _reply(handler, status, body)
+        scores = [len(r) / 10 for r in responses]
+        _reply(handler, 200, json.dumps({"scores": scores} if "responses" in body_in else {"score": scores[0]}).encode())
+
+    _, url = serve(small_context)
+    reward = build_reward("reward_model", {"url": url, "batch_size": 4, "max_retries": 0})
+    responses = ["a", "b" * 5000, "abc"]
+    scores, errors = score_batch(reward, responses, [{"prompt": "p"}] * 3)
+    assert scores == pytest.approx([0.1, 0.0, 0.3]) and errors == 0
+    pool = ScoringPool(max_workers=1)
+    for response in responses:
+        pool.submit(reward, response, {"prompt": "p"}, timeout_s=10)
+    assert finalize_outcomes(pool.results(), "reward_model")[1:] == ([False] * 3, [False, True, False])

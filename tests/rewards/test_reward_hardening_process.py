@@ -52,7 +52,7 @@ def test_sympy_tower_is_killed_and_the_trainer_keeps_running():
                           "seconds": time.monotonic() - start}}))
     """
     out = json.loads(_trainer(script, timeout_s=60).stdout.strip().splitlines()[-1])
-    assert out["scores"] == [0.0, 1.0] and out["errors"] == 1
+    assert out["scores"] == [0.0, 1.0] and out["errors"] == 0  # the tower's timeout is its own: a verdict
     assert out["ticks"] > 20  # ~100 when nothing holds the GIL
     assert out["seconds"] < 15
 
@@ -72,7 +72,7 @@ def _computing_children() -> list[int]:
 def test_score_batch_timeout_kills_the_worker():
     start = time.monotonic()
     scores, errors = score_batch(get_reward("math"), [TOWER, "\\boxed{3}"], [{"answer": "3"}] * 2, timeout_s=1.0)
-    assert (scores, errors) == ([0.0, 1.0], 1)
+    assert (scores, errors) == ([0.0, 1.0], 0)  # the response's own timeout: 0 as a verdict, not invalid
     assert time.monotonic() - start < 10
     deadline = time.monotonic() + 10
     while _computing_children() and time.monotonic() < deadline:

@@ -1,0 +1,108 @@
+"""A response that breaks its own scoring gets the lowest reward (a verdict), never an invalid sample:
+an invalid sample has advantage 0, so a policy expecting to lose would learn to break its scoring
+instead (red-team issue 29). Infrastructure failures stay invalid. The judge and reward-model cases
+are in test_group_rewards.py and test_reward_hardening_http.py."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_cascade.algorithms import group_advantages
+from megatron_cascade.environments.episode import EpisodeSample
+from megatron_cascade.environments.settings import episode_scores
+from megatron_cascade.environments.tool_env import ToolCallingEnvironment, escape_unencodable
+from megatron_cascade.rewards import build_reward, get_reward
+from megatron_cascade.rewards.outcome import OutcomeKind, ResponseFault, outcome_kind
+from megatron_cascade.rewards.registry import run_in_process
+from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
+from megatron_cascade.tokenizers import build_tokenizer
+
+GOOD = "```python\nprint(int(input()) + 1)\n```"
+WRONG = "```python\nprint(int(input()) + 2)\n```"
+ROW = {"tests": [{"input": "1\n", "output": "2\n"}]}
+
+
+def _outcomes(reward, responses, rows, timeout_s=5.0):
+    pool = ScoringPool(max_workers=2)
+    for response, row in zip(responses, rows):
+        pool.submit(reward, response, row, timeout_s=timeout_s)
+    return finalize_outcomes(pool.results(), getattr(reward, "name", "reward"))
+
+
+def test_a_wrong_program_that_breaks_compile_gets_a_negative_advantage():
+    """Before: the 3,000-term tail made the trainer-side compile() raise RecursionError, the sample
+    was invalid and its advantage 0 instead of the wrong answer's -0.58."""
+    bomb = WRONG[:-4] + "\nx = 1" + " + 1" * 3000 + "\n```"
+    scores, errored, faulted = _outcomes(build_reward("code", {"timeout_s": 5}), [GOOD, WRONG, bomb, GOOD], [ROW] * 4)
+    assert scores == [1.0, 0.0, 0.0, 1.0] and errored == [False] * 4 and faulted == [False, False, True, False]
+    valid = ~torch.tensor([errored])
+    advantages = group_advantages(torch.tensor([scores]), valid=valid)
+    assert advantages[0, 2] < 0 and advantages[0, 2] == advantages[0, 1]  # as bad as the plain wrong answer
+
+
+@run_in_process
+def _slow_verifier(response: str, sample: dict) -> float:
+    if response == "slow":
+        time.sleep(30)  # what a hostile expression does to a verifier
+    return 1.0
+
+
+def _slow_server(response: str, sample: dict) -> float:
+    if response == "slow":
+        time.sleep(3)  # a server that does not answer: not the response's doing
+    return 1.0
+
+
+def test_a_verifier_timeout_is_the_responses_and_a_server_timeout_is_not():
+    scores, errored, faulted = _outcomes(_slow_verifier, ["ok", "slow"], [{}] * 2, timeout_s=1.0)
+    assert scores == [1.0, 0.0] and errored == [False, False] and faulted == [False, True]
+    scores, errored, faulted = _outcomes(_slow_server, ["ok", "slow"], [{}] * 2, timeout_s=0.5)
+    assert scores == [1.0, 0.0] and errored == [False, True] and faulted == [False, False]
+
+
+def test_what_is_a_response_fault():
+    assert outcome_kind(0.5) is OutcomeKind.VERDICT
+    for exc in (ResponseFault("x"), RecursionError(), MemoryError()):
+        assert outcome_kind(exc) is OutcomeKind.RESPONSE_FAULT
+    for exc in (TimeoutError(), RuntimeError("server down"), ValueError("row has no answer"), SystemExit(1)):
+        assert outcome_kind(exc) is OutcomeKind.INFRA_ERROR
+    # A malformed row is still an error, not the response's fault.
+    assert _outcomes(get_reward("math"), ["\\boxed{2}"], [{"question": "no answer"}])[1] == [True]
+
+
+def test_a_tool_name_the_tokenizer_cannot_encode_is_escaped_not_an_invalid_episode():
+    """Before: calling a tool named "\\u00e9" (JSON escape, so the model can write it) made the environment
+    echo "é", which the character tokenizer cannot encode: the step raised and the episode was invalid."""
+    tok = build_tokenizer("builtin:char")
+    env = ToolCallingEnvironment(tok)
+    state = env.start({"tools": [{"name": "calculator", "parameters": {"type": "object"}}]})
+    turn = '<tool_call>{"name": "\\u00e9", "arguments": {}}</tool_call>'
+    step = env.step(state, tok.encode(turn), turn)
+    text = tok.decode(step.observation_ids)
+    assert "unknown tool '\\xe9'" in text and step.metrics["tool_calls_ok"] == 0.0
+    assert escape_unencodable("caf\u00e9\x01\n\t") == "caf\\xe9\\x01\n\t"
+
+
+def test_an_environment_response_fault_scores_zero_as_a_verdict():
+    samples = [EpisodeSample(0, i, [1]) for i in range(3)]
+    samples[1].response_fault = "the turn cannot be tokenized"
+    samples[2].env_error = "RuntimeError: tool server down"
+    scores, errored = episode_scores(samples, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64),
+                                     torch.zeros(3, dtype=torch.bool))
+    assert scores.tolist() == [1.0, 0.0, 0.0] and errored.tolist() == [False, False, True]
+
+
+def test_a_row_cannot_name_code_as_its_tool(tmp_path):
+    """Before: a row declaring a tool named "os:system" (not mapped in the config) imported and ran it."""
+    env = ToolCallingEnvironment(build_tokenizer("builtin:char"))
+    marker = tmp_path / "ran"
+    row = {"tools": [{"name": "os:system", "parameters": {"type": "object"}}]}
+    try:
+        env.start(row)
+    except ValueError as e:
+        assert "does not map" in str(e)
+    else:
+        raise AssertionError("a row's tool name was loaded as code")
+    assert not marker.exists()
