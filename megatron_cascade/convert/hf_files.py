@@ -41,10 +41,49 @@ def write_hf_config(directory: str, config: dict[str, Any]) -> None:
 
 
 def copy_side_files(src: str, dst: str, *, include_config: bool = False) -> list[str]:
-    """Copy the tokenizer/generation files (and optionally config.json) present in ``src``; returns their names."""
-    names = [n for n in SIDE_FILES + ((CONFIG_FILE,) if include_config else ()) if os.path.isfile(os.path.join(src, n))]
+    """Copy the tokenizer/generation files (and optionally config.json) present in ``src``; returns their names.
+
+    Raises:
+        ConversionError: a side file is not a regular file inside the checkpoint (see :func:`checked_file`).
+    """
+    wanted = SIDE_FILES + ((CONFIG_FILE,) if include_config else ())
+    names = [n for n in wanted if os.path.lexists(os.path.join(src, n))]
+    sources = [checked_file(src, name) for name in names]  # every one checked before anything is written
     if names:
         os.makedirs(dst, exist_ok=True)
-    for name in names:
-        shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    for name, source in zip(names, sources):
+        shutil.copyfile(source, os.path.join(dst, name))
     return names
+
+
+def copy_directory_files(src: str, dst: str) -> list[str]:
+    """Copy every file of the folder ``src`` (not recursive) to ``dst``, each checked as :func:`checked_file`."""
+    names = sorted(os.listdir(src))
+    sources = [checked_file(src, name) for name in names]
+    os.makedirs(dst, exist_ok=True)
+    for name, source in zip(names, sources):
+        shutil.copyfile(source, os.path.join(dst, name))
+    return names
+
+
+def checked_file(folder: str, name: str) -> str:
+    """The real path of ``folder/name`` if it is a regular file inside the checkpoint: ``folder``
+    itself or, for a Hugging Face cache snapshot (``.../models--X/snapshots/<rev>``), its repository
+    folder, where the cache's symlinks point (``../../blobs/<hash>``). A symlink anywhere else (a
+    downloaded checkpoint's ``tokenizer.json -> ~/.ssh/id_rsa`` or ``/proc/self/environ``) would copy
+    that file into the converted checkpoint.
+
+    Raises:
+        ConversionError: naming the file and where it leads.
+    """
+    path = os.path.join(folder, name)
+    real = os.path.realpath(path)
+    folder_abs = os.path.abspath(folder)
+    roots = [os.path.realpath(folder_abs)]
+    if os.path.basename(os.path.dirname(folder_abs)) == "snapshots":
+        roots.append(os.path.realpath(os.path.dirname(os.path.dirname(folder_abs))))
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise ConversionError(f"{path} leads outside the checkpoint (to {real}); refusing to copy it")
+    if not os.path.isfile(real):
+        raise ConversionError(f"{path} is not a regular file; refusing to copy it")
+    return real

@@ -9,11 +9,10 @@ nothing to re-slice; ``reshard`` checks that the model fits the target layout, r
 from __future__ import annotations
 
 import os
-import shutil
 
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.dist_copy import copy_dist_checkpoint
-from megatron_cascade.convert.hf_files import HF_SUBDIR
+from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_directory_files
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.megatron_to_hf import load_model_config
 
@@ -28,5 +27,5 @@ def reshard(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 
     copy_dist_checkpoint(ckpt_dir, out_dir, model)
     hf_side = os.path.join(ckpt_dir, HF_SUBDIR)
     if os.path.isdir(hf_side):
-        shutil.copytree(hf_side, os.path.join(out_dir, HF_SUBDIR))
+        copy_directory_files(hf_side, os.path.join(out_dir, HF_SUBDIR))  # regular files inside the checkpoint only
     return model

@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Union
+
+from megatron_cascade.rewards.strict_json import loads_strict
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -49,16 +50,16 @@ def parse_tool_calls(text: str) -> list[Union[ToolCall, BadToolCall]]:
 
 def _parse_one(body: str) -> Union[ToolCall, BadToolCall]:
     try:
-        obj: Any = json.loads(body.strip())
-    except (ValueError, RecursionError) as exc:
+        obj: Any = loads_strict(body.strip())
+    except ValueError as exc:
         return BadToolCall(f"the tool call is not JSON ({exc})")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return BadToolCall('a tool call must be {"name": <string>, "arguments": <object>}')
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
+            arguments = loads_strict(arguments)
+        except ValueError:
             return BadToolCall("the tool call's arguments string is not JSON")
     if not isinstance(arguments, dict):
         return BadToolCall("a tool call's arguments must be a JSON object")

@@ -13,11 +13,11 @@ naming the id and listing the supported ones.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Callable
 
 from megatron_cascade.rewards.registry import register_reward, run_in_process
+from megatron_cascade.rewards.strict_json import loads_strict
 
 Checker = Callable[..., bool]
 INSTRUCTIONS: dict[str, Checker] = {}
@@ -97,8 +97,8 @@ def json_format(text: str) -> bool:
         body = body.removeprefix(fence)
     body = body.removesuffix("```").strip()
     try:
-        json.loads(body)
-    except (ValueError, RecursionError):  # "[[[[...": deeper than Python's recursion limit
+        loads_strict(body)  # duplicate keys, NaN and "[[[[..." deeper than the recursion limit: not JSON
+    except ValueError:
         return False
     return True
 

@@ -7,13 +7,12 @@ The JSON may be bare or inside a ```json fence (the last fence wins). Validation
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 import jsonschema
 
 from megatron_cascade.rewards.registry import register_reward, run_in_process
+from megatron_cascade.rewards.strict_json import loads_strict
 
 def fenced_blocks(text: str) -> list[str]:
     """Contents of the ```-fenced blocks of ``text``: from the line after an opening fence (its info
@@ -30,30 +29,15 @@ def fenced_blocks(text: str) -> list[str]:
         pos = end + 3
 
 
-def _reject_non_finite(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON (RFC 8259 has no NaN or Infinity)")
-
-
-def _finite_float(token: str) -> float:
-    value = float(token)
-    if not math.isfinite(value):  # 1e400: Python would read inf, which passes every maximum
-        raise ValueError(f"number {token[:40]} is out of the float range")
-    return value
-
-
 def extract_json(response: str) -> Any:
     """Parsed JSON of the response (last fenced block if any); raises ValueError if none (or too deep).
 
-    Standard JSON only: ``NaN``, ``Infinity`` and numbers beyond the float range are refused
-    (Python's json accepts them, and NaN compares false with every bound, so ``{"age": NaN}``
-    satisfied ``minimum``/``maximum``).
+    Standard JSON only (:func:`~megatron_cascade.rewards.strict_json.loads_strict`): ``NaN``,
+    ``Infinity``, numbers beyond the float range and duplicate keys are refused.
     """
     blocks = fenced_blocks(response)
     text = blocks[-1] if blocks else response
-    try:
-        return json.loads(text.strip(), parse_constant=_reject_non_finite, parse_float=_finite_float)
-    except RecursionError as e:  # "[[[[...": a property of the response, not a failure of the reward
-        raise ValueError("JSON nested deeper than Python's recursion limit") from e
+    return loads_strict(text.strip())
 
 
 def _validator(schema: dict) -> jsonschema.protocols.Validator:

@@ -106,3 +106,17 @@ def test_a_row_cannot_name_code_as_its_tool(tmp_path):
     else:
         raise AssertionError("a row's tool name was loaded as code")
     assert not marker.exists()
+
+
+def test_duplicate_json_keys_are_not_json_to_a_verifier():
+    """Before: {"answer": "wrong", "answer": "right"} read as its last value (what a grader sees
+    differs from what a reader sees); tool calls and IFEval's json_format took it too."""
+    from megatron_cascade.environments.tool_calls import BadToolCall, parse_tool_calls
+    from megatron_cascade.rewards.ifeval import check_instruction
+
+    schema = {"schema": {"type": "object", "properties": {"answer": {"const": "right"}}, "required": ["answer"]}}
+    assert get_reward("structured_output")('{"answer": "right"}', schema) == 1.0
+    assert get_reward("structured_output")('{"answer": "wrong", "answer": "right"}', schema) == 0.0
+    assert check_instruction("detectable_format:json_format", '{"a": 1, "a": 2}', {}) is False
+    (call,) = parse_tool_calls('<tool_call>{"name": "calculator", "name": "python", "arguments": {}}</tool_call>')
+    assert isinstance(call, BadToolCall)
