@@ -1,8 +1,9 @@
-"""Load a run config: YAML (with ``defaults`` includes and ``${...}`` interpolation), command-line
-``key.sub=value`` overrides, and validation against the schema (unknown keys and wrong types are
-errors naming the file, the key and a hint). Choices are enums of the schema, refused by OmegaConf
-when the YAML is merged; every field's range and every section's own rules (``config.rules``) are
-checked by ``validate_run``, which adds the rules between sections."""
+"""Load a run config: YAML (with ``defaults`` includes and ``${...}`` interpolation, within the bounds
+of ``config.yaml_safety``), command-line ``key.sub=value`` overrides, and validation against the
+schema (unknown keys and wrong types are errors naming the file, the key and a hint). Choices are
+enums of the schema, refused by OmegaConf when the YAML is merged; every field's range and every
+section's own rules (``config.rules``) are checked by ``validate_run``, which adds the rules between
+sections."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from megatron_cascade.config.schema import ResolvedStage, RolloutConfig, RunConf
 from megatron_cascade.config.training import (
     LossConfig, OptimizerConfig, TrainingConfig, validate_optimizer_config,
 )
+from megatron_cascade.config.yaml_safety import (
+    check_interpolations, check_yaml_size, include_path, parse_override_value,
+)
 from megatron_cascade.stages.registry import STAGE_TYPES, stage_type
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -36,11 +40,13 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     (dry runs) does not require checkpoint folders named in the config to exist on this machine.
     Raises ``ConfigError`` with the file, key and a hint.
     """
-    raw = _read_with_includes(os.path.abspath(path), seen=())
+    top = os.path.abspath(path)
+    raw = _read_with_includes(top, seen=(), top_folder=os.path.dirname(top))
     schema = OmegaConf.structured(RunConfig)
     merged = _merge(schema, raw, source=path)
     for item in overrides:
         _apply_override(merged, item)
+    check_interpolations(OmegaConf.to_container(merged, resolve=False), source=path)
     try:
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -49,14 +55,16 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     return cfg
 
 
-def _read_with_includes(path: str, seen: tuple) -> DictConfig:
+def _read_with_includes(path: str, seen: tuple, top_folder: str) -> DictConfig:
     if path in seen:
         raise ConfigError(f"{path}: 'defaults' includes form a cycle: {' -> '.join(seen + (path,))}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
+        with open(path, encoding="utf-8") as f:
+            check_yaml_size(f.read(), path)
         node = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
@@ -66,8 +74,8 @@ def _read_with_includes(path: str, seen: tuple) -> DictConfig:
     _absolutize_paths(node, os.path.dirname(path))
     base = OmegaConf.create({})
     for include in includes:
-        child = os.path.join(os.path.dirname(path), str(include))
-        base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,)))
+        child = include_path(path, include, top_folder)
+        base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,), top_folder))
     return OmegaConf.merge(base, node)
 
 
@@ -108,10 +116,7 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         raise ConfigError(f"override {item!r} must look like key.sub=value")
     key, text = item.split("=", 1)
     key = _stage_key_by_name(cfg, key.strip())
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        value = text
+    value = parse_override_value(item, text)
     try:
         _open_stage_section(cfg, key)
         _open_optional_sections(cfg, key)
