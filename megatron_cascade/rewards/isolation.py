@@ -240,8 +240,7 @@ class VerifierProcessPool:
                 message = worker.wait(start + timeout_s - time.monotonic())
                 if message is None:
                     # The verifier judged only the response: the response's own timeout (a verdict).
-                    return ResponseTimeout(f"reward timed out after {timeout_s:g} s judging the response "
-                                           "(verifier process killed)"), False
+                    return ResponseTimeout.after(timeout_s), False
             return message[1], True
         except (EOFError, OSError) as e:
             try:

@@ -30,6 +30,10 @@ class ResponseFault(Exception):
 class ResponseTimeout(ResponseFault, TimeoutError):
     """A verifier judging only the response ran past its deadline (the response's own timeout)."""
 
+    @classmethod
+    def after(cls, timeout_s: float) -> "ResponseTimeout":
+        return cls(f"reward timed out after {timeout_s:g} s judging the response (verifier process killed)")
+
 
 # Raised by Python while judging a response that is too deep or too big: the response's doing.
 _RESPONSE_CAUSED = (ResponseFault, RecursionError, MemoryError)

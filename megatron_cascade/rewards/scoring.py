@@ -176,7 +176,7 @@ class ScoringPool:
                         deadline = time.monotonic() + items[0][4]
                     active[jobs] = ([item[0] for item in items], deadline)
                     # A verifier judging the response alone ran out of time on it: the response's own timeout.
-                    on_timeout[jobs] = (_response_timeout(items[0][4]) if deadline is None else _TIMED_OUT)
+                    on_timeout[jobs] = (ResponseTimeout.after(items[0][4]) if deadline is None else _TIMED_OUT)
                     threading.Thread(target=self._work, args=(jobs, items), daemon=True,
                                      name=f"reward-{items[0][0]}").start()
                     jobs += 1
@@ -220,10 +220,6 @@ class ScoringPool:
         except BaseException as e:  # noqa: BLE001 - reported as the items' error, never a lost job
             values = [e] * len(items)
         self._events.put(("done", (job, values)))
-
-
-def _response_timeout(timeout_s: float) -> ResponseTimeout:
-    return ResponseTimeout(f"reward timed out after {timeout_s:g} s judging the response (verifier process killed)")
 
 
 def _is_batch(fn: Any) -> bool:
