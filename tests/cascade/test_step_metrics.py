@@ -58,6 +58,20 @@ def test_reward_mean_is_after_the_overlong_policy_and_raw_mean_before():
     assert m["groups/informative_frac"] == 1.0 and m["sampling/rounds"] == 1
 
 
+def test_response_faults_are_counted_apart_from_errors_per_domain():
+    """A response that broke its own scoring is a scored 0 (a verdict), counted in its own metric."""
+    from megatron_cascade.environments.episode import EpisodeSample
+
+    rnd = _round()
+    rnd.rollouts.samples[1] = EpisodeSample(0, 1, [1], response_ids=[7] * 5, finish_reason="stop",
+                                            response_fault="the response broke its scoring")
+    sums, maxes = _stage("grpo")._rollout_sums([rnd])
+    m = rollout_metrics(sums, maxes, prompts_per_step=1, teachers={})
+    assert m["reward/response_faults"] == 1 and m["reward/response_faults/math"] == 1
+    assert m["reward/errors"] == 1 and m["reward/errors/math"] == 1  # the failed reward, not the fault
+    assert m["reward/mean"] == pytest.approx(1 / 3)  # the fault's 0 is among the scored
+
+
 def test_a_stage_without_rewards_logs_no_reward_metric():
     sums, maxes = _stage("distill")._rollout_sums([_round()])
     m = rollout_metrics(sums, maxes, prompts_per_step=1, teachers={"math": "sft"})
