@@ -22,6 +22,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Optional
 
 _RULE = "megatron_cascade.rule"
+# The longest any reward, sandbox or environment timeout may be (a day): a larger one is a mistake, and
+# one past threading.TIMEOUT_MAX (~292 years; `timeout_s: 1e10`) crashed the step with OverflowError.
+MAX_TIMEOUT_S = 86_400.0
 
 
 class ConfigError(ValueError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from megatron_cascade.config.model import DecodeParallelConfig, ModelConfig, ParallelConfig
-from megatron_cascade.config.rules import Choice, checked, ranged, require
+from megatron_cascade.config.rules import MAX_TIMEOUT_S, Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
 from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
@@ -95,7 +95,7 @@ class RewardSpec:
 
     name: str = checked(bool, "must name a reward (registry name or pkg.module:function)", default="math")
     kwargs: Dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = ranged(30.0, gt=0)  # a call running longer scores 0 and is counted as an error
+    timeout_s: float = ranged(30.0, gt=0, le=MAX_TIMEOUT_S)  # a call running longer scores 0 and is counted as an error
     # think: the reward scores only the answer after the reasoning; reasoning that never closed scores 0
     # (counted as unfinished, not as a reward error). megatron_cascade/rewards/reasoning.py
     reasoning_parser: ReasoningParserName = ReasoningParserName.none
@@ -116,7 +116,7 @@ class EnvironmentSpec:
     # Each turn samples at most rollout.max_new_tokens; the model's max_position_embeddings bounds it too.
     max_episode_tokens: Optional[int] = ranged(None, ge=1, why="or null: max_turns x rollout.max_new_tokens")
     # An environment step (a tool call, a test run) running longer ends its episode with score 0.
-    step_timeout_s: float = ranged(30.0, gt=0)
+    step_timeout_s: float = ranged(30.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from megatron_cascade.config.rules import MAX_TIMEOUT_S
 from megatron_cascade.rewards.http_transport import RequestTooLongError, RetryableError, post_json
 from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rewards.registry import register_reward
@@ -79,7 +80,8 @@ class RewardModelClient:
             ("url", urllib.parse.urlsplit(str(self.url)).scheme in ("http", "https")
              and bool(urllib.parse.urlsplit(str(self.url)).netloc), "an http:// or https:// URL"),
             ("mode", self.mode in ("score", "chat"), "'score' or 'chat'"),
-            ("timeout_s", _finite(self.timeout_s) and self.timeout_s > 0, "> 0 seconds"),
+            ("timeout_s", _finite(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S,
+             f"in (0, {MAX_TIMEOUT_S:g}] seconds"),
             ("max_retries", isinstance(self.max_retries, int) and self.max_retries >= 0, "an integer >= 0"),
             ("backoff_s", _finite(self.backoff_s) and self.backoff_s >= 0, ">= 0 seconds"),
             ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1"),

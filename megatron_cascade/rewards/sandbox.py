@@ -57,6 +57,7 @@ from typing import Callable, Sequence
 
 import psutil
 
+from megatron_cascade.config.rules import MAX_TIMEOUT_S
 from megatron_cascade.rewards import _sandbox_seccomp
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
         for name in ("memory_mb", "max_processes", "max_file_mb", "max_disk_mb", "max_open_files",
                      "max_output_bytes"):
             value = getattr(self, name)

@@ -85,7 +85,7 @@ def _call_batch_with_backstop(reward_fn: BoundReward, responses: Sequence[str], 
     thread = threading.Thread(target=lambda: out.append(_call_batch(reward_fn, responses, samples)), daemon=True,
                               name="reward-batch")
     thread.start()
-    thread.join(limit_s)
+    thread.join(min(limit_s, threading.TIMEOUT_MAX))  # a sum of many long limits may pass what join takes
     return out[0] if out else [_TIMED_OUT] * len(responses)
 
 
@@ -183,7 +183,7 @@ class ScoringPool:
                 if closed and not pending and not active:
                     break
                 deadlines = [d for _, d in active.values() if d is not None]
-                wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                wait_s = min(max(0.0, min(deadlines) - time.monotonic()), threading.TIMEOUT_MAX) if deadlines else None
                 try:
                     kind, payload = self._events.get(timeout=wait_s)
                 except queue.Empty:

@@ -49,7 +49,7 @@ BAD = [
     ("training.micro_batch_size=0", r"training.micro_batch_size=0 must be >= 1"),
     ("training.ppo_epochs=0", r"training.ppo_epochs=0 must be >= 1"),
     # rewards, timeouts, fractions, counts
-    ("domains.math.reward.timeout_s=0", r"domains.math.reward.timeout_s=0.0 must be > 0"),
+    ("domains.math.reward.timeout_s=0", r"domains.math.reward.timeout_s=0.0 must be in \(0, 86400\]"),
     ("domains.math.reward.timeout_s=.inf", r"domains.math.reward.timeout_s=inf must be a finite number"),
     ("domains.math.reward.name=''", r"domains.math.reward.name='' must name a reward"),
     ("rewards.max_error_frac=1.5", r"rewards.max_error_frac=1.5 must be in \[0, 1\] \(1 never stops the run\)"),

@@ -3,6 +3,7 @@ files from elsewhere on the machine, or stall the loader with YAML aliases."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -86,3 +87,10 @@ def test_yaml_aliases_cannot_stall_the_loader(tmp_path):
     # Aliases a config really uses still load.
     cfg = load_config(_recipe(tmp_path, "rollout: &r {temperature: 0.9}\n"), check_paths=False)
     assert cfg.rollout.temperature == 0.9
+
+
+def test_timeouts_are_bounded_at_load():
+    """Before: timeout_s: 1e10 passed validation, then the step crashed (OverflowError in a wait)."""
+    for key in ("domains.math.reward.timeout_s", "domains.math.environment.step_timeout_s"):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}=10000000000.0 must be in (0, 86400]")):
+            load_config(str(CI), [f"{key}=1e10"], check_paths=False)

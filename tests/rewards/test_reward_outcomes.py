@@ -120,3 +120,20 @@ def test_duplicate_json_keys_are_not_json_to_a_verifier():
     assert check_instruction("detectable_format:json_format", '{"a": 1, "a": 2}', {}) is False
     (call,) = parse_tool_calls('<tool_call>{"name": "calculator", "name": "python", "arguments": {}}</tool_call>')
     assert isinstance(call, BadToolCall)
+
+
+def _quick(response: str, sample: dict) -> float:
+    time.sleep(0.2)  # still running when the dispatcher waits for its deadline
+    return 1.0
+
+
+def test_timeouts_are_bounded_where_rewards_are_built_and_long_ones_do_not_crash_scoring():
+    """Before: timeout_s=1e10 was accepted and the reward dispatcher died (OverflowError) on its wait."""
+    import pytest
+
+    from megatron_cascade.rewards import score_batch
+
+    for name, kwargs in (("code", {}), ("reward_model", {"url": "http://127.0.0.1:9"})):
+        with pytest.raises(ValueError, match="timeout_s"):
+            build_reward(name, {**kwargs, "timeout_s": 1e10})
+    assert score_batch(_quick, ["a", "b"], [{}] * 2, timeout_s=1e10) == ([1.0, 1.0], 0)
