@@ -221,10 +221,27 @@ def check_decode_layout(cfg: RunConfig, stage: ResolvedStage, world_size: int) -
             f"differs from parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}: a Mamba "
             "layer's in_proj and conv1d hold several parts, each split over TP on its own, which megatron-core's "
             "in-memory resharding cuts as one tensor; decode at the training TP (PP, CP and EP may differ)")
+    if stage.rollout.cuda_graphs is not None and not _has_graphable_layers(m):
+        raise ConfigError(
+            f"stage {stage.name}: rollout.cuda_graphs={stage.rollout.cuda_graphs}: every layer of this model holds a "
+            "MoE block, which megatron-core 0.16.1 cannot replay from a CUDA graph in inference (its dispatcher "
+            "reads token counts on the host); set rollout.cuda_graphs: null")
     try:
         return resolve_layout(m, decode.as_parallel(), world_size, check_this_machine=False, prefix="rollout.parallel.")
     except ConfigError as exc:
         raise ConfigError(f"stage {stage.name}: {exc}") from None
+
+
+def _has_graphable_layers(m) -> bool:
+    """Whether some layer has no MoE block (the layers a decode step replays from CUDA graphs)."""
+    if m.architecture == "hybrid":
+        return any(symbol in (m.hybrid.layer_pattern or "") for symbol in "M*-")
+    return not m.moe.num_experts or m.moe.layer_freq > 1
+
+
+def uses_cuda_graphs(cfg: RunConfig) -> bool:
+    """Whether a stage of the run decodes with CUDA graphs (``rollout.cuda_graphs``)."""
+    return any(resolve_stage(cfg, stage_cfg).rollout.cuda_graphs is not None for stage_cfg in cfg.stages)
 
 
 def decode_copy_bytes(cfg: RunConfig, decode: Layout) -> float:
@@ -714,8 +731,10 @@ def describe_plan(cfg: RunConfig) -> str:
         decode = check_decode_layout(cfg, s, world) if stage_type(s.type).generates else None
         if decode is not None:
             copy = decode_copy_bytes(cfg, decode)
+            graphs = (f"; decode steps on {s.rollout.cuda_graphs} CUDA graph sizes, captured per generate call"
+                      if s.rollout.cuda_graphs else "")
             lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
-                         f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory)")
+                         f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory{graphs})")
     lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation, training) "
                  "+ runtime overhead):")
     warnings = []

@@ -24,7 +24,7 @@ from megatron_cascade.cascade.runtime import (
 from megatron_cascade.cascade.scoring import build_domain_rewards
 from megatron_cascade.cascade.stage import RunContext, StageRunner
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage, to_yaml
-from megatron_cascade.cascade.plan import check_generation_layouts
+from megatron_cascade.cascade.plan import check_generation_layouts, uses_cuda_graphs
 from megatron_cascade.model import initialize_model_parallel, resolve_layout
 from megatron_cascade.tokenizers import build_tokenizer
 from megatron_cascade.training.checkpoint import write_atomically
@@ -116,7 +116,8 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
     try:
         layout = resolve_layout(cfg.model, cfg.parallel, dist.get_world_size())
         check_generation_layouts(cfg, layout)  # decode layouts, and CP only where a decode layout generates
-        initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes)
+        initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes,
+                                  cuda_graphs=uses_cuda_graphs(cfg))
         lock = _prepare_output_dir(cfg, allow_config_change)
         if is_main_rank():
             log.info("layout: %s", layout)

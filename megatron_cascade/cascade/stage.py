@@ -54,11 +54,13 @@ class RunContext:
     # Decode copies of the policy by layout (``rollout.parallel``): built once, refit by every stage.
     decode_copies: dict = field(default_factory=dict)
 
-    def decode_copy(self, decode: DecodeParallelConfig) -> DecodeCopy:
-        """The decode copy at ``decode``'s layout (built on first use; collective)."""
-        key = (decode.tensor_model_parallel_size, decode.expert_model_parallel_size, decode.expert_tensor_parallel_size)
+    def decode_copy(self, decode: DecodeParallelConfig, cuda_graphs: bool = False) -> DecodeCopy:
+        """The decode copy at ``decode``'s layout, with CUDA graph managers or not (built on first use;
+        collective)."""
+        key = (decode.tensor_model_parallel_size, decode.expert_model_parallel_size, decode.expert_tensor_parallel_size,
+               cuda_graphs)
         if key not in self.decode_copies:
-            self.decode_copies[key] = DecodeCopy(self.cfg.model, decode,
+            self.decode_copies[key] = DecodeCopy(self.cfg.model, decode, cuda_graphs=cuda_graphs,
                                                  timeout_minutes=self.cfg.distributed.timeout_minutes)
         return self.decode_copies[key]
 
@@ -144,7 +146,7 @@ class StageRunner:
         decode = self.stage.rollout.parallel
         if decode is None:
             return GenerationReplica.training(self.policy.module)
-        copy = self.ctx.decode_copy(decode)
+        copy = self._decode_copy()
         copy.refit(self.policy)
         self.refit_seconds += copy.refit_seconds
         return copy.replica
@@ -153,7 +155,11 @@ class StageRunner:
         """Generation is over until the next step or evaluation: free the decode copy's weights
         (training takes the memory; the next ``generation_replica`` refits them)."""
         if self.stage.rollout.parallel is not None:
-            self.ctx.decode_copy(self.stage.rollout.parallel).release()
+            self._decode_copy().release()
+
+    def _decode_copy(self) -> DecodeCopy:
+        rollout = self.stage.rollout
+        return self.ctx.decode_copy(rollout.parallel, cuda_graphs=rollout.cuda_graphs is not None)
 
     def teacher_paths(self) -> dict[str, str]:
         """This stage's teachers as weights folders (see :func:`teacher_paths`)."""

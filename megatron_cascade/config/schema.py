@@ -68,6 +68,9 @@ class RolloutConfig:
     # Expected response length / max_new_tokens: sizes a hybrid model's Mamba state slots in generation
     # and the dry run's samples decoding at once (KV is taken on demand, so the mean length, not the cap).
     expected_response_fraction: float = ranged(0.5, gt=0, le=1)
+    # Decode steps padded to this many batch sizes (Megatron's num_cuda_graphs); on a GPU the decode copy
+    # (rollout.parallel) replays a CUDA graph per size. null: eager decode steps.
+    cuda_graphs: Optional[int] = ranged(None, ge=1, le=256, why="or null: eager decode steps")
     # A decode layout: generation on an inference-only copy of the policy at this layout (TP, EP, ETP;
     # no PP or CP), refit in memory after every optimizer step. null: generate at the training layout.
     parallel: Optional[DecodeParallelConfig] = None
@@ -77,6 +80,9 @@ class RolloutConfig:
         require(self.dynamic_sampling_max_rounds == 1 or self.filter_uninformative_groups,
                 f"{prefix}dynamic_sampling_max_rounds > 1 replaces filtered groups: it needs "
                 f"{prefix}filter_uninformative_groups: true")
+        require(self.cuda_graphs is None or self.parallel is not None,
+                f"{prefix}cuda_graphs needs {prefix}parallel: graphs are captured on the decode copy "
+                "(the training model runs training forwards, which must not replay inference graphs)")
 
 
 class ReasoningParserName(Choice):

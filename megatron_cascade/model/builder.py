@@ -84,8 +84,12 @@ def params_dtype(model: ModelConfig) -> torch.dtype:
     return _PRECISIONS[model.precision]
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig):
-    """The Megatron-Core ``TransformerConfig`` for ``model`` laid out as ``parallel``."""
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inference_cuda_graphs: bool = False):
+    """The Megatron-Core ``TransformerConfig`` for ``model`` laid out as ``parallel``.
+
+    ``inference_cuda_graphs``: an inference-only model whose layers get megatron-core's local CUDA graph
+    managers (``cuda_graph_impl="local"``; a decode copy, ``rollout/cuda_graphs.py``), without activation
+    recompute (megatron-core allows full recompute only with whole-iteration graphs; inference needs none)."""
     from megatron.core.transformer import TransformerConfig
 
     validate_model_config(model)
@@ -138,7 +142,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     )
     if model.architecture == "hybrid":
         kwargs.update(_hybrid_kwargs(model))
-    if model.recompute != "none":
+    if inference_cuda_graphs:
+        kwargs.update(cuda_graph_impl="local")
+    elif model.recompute != "none":
         kwargs.update(recompute_granularity=model.recompute)
         if model.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
@@ -188,19 +194,20 @@ def decoder_block_spec(config, normalization: str):
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
-                pg_collection=None):
+                pg_collection=None, inference_cuda_graphs: bool = False):
     """The model ``model.architecture`` names, for this rank's pipeline stage: ``GPTModel`` (gpt) or
     ``MambaModel`` (hybrid). Both take the same forward arguments and return [batch, seq, vocab / TP]
     logits, so training, generation and checkpoints treat them alike.
 
     ``pg_collection``: the process groups of another layout than the training one (a decode copy,
     ``rollout/decode_layout.py``; ``parallel`` must describe it, without pipeline stages); None:
-    Megatron's parallel state."""
+    Megatron's parallel state. ``inference_cuda_graphs``: see ``transformer_config``."""
     if pg_collection is not None and parallel.pipeline_model_parallel_size != 1:
         raise ValueError("a model on its own process groups is built without pipeline stages here")
+    config = transformer_config(model, parallel, inference_cuda_graphs=inference_cuda_graphs)
     if model.architecture == "hybrid":
-        return build_hybrid_model(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection)
-    return _build_gpt(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection)
+        return build_hybrid_model(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
+    return _build_gpt(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
 
 
 # Callers written before the hybrid architecture build through this name: it builds what the config names.
@@ -216,7 +223,7 @@ def hybrid_stack_spec(config, model: ModelConfig):
 
 
 def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
-                       pg_collection=None):
+                       pg_collection=None, config=None):
     """A ``MambaModel`` with ``model.hybrid.layer_pattern`` for this rank's pipeline stage (Megatron
     parallel state must be initialised; PP splits the layers evenly, no virtual pipeline).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP]."""
@@ -227,7 +234,7 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
     if vp_stage is not None:
         raise ConfigError("model.architecture=hybrid does not support virtual pipeline parallelism "
                           "(Megatron-Core's MambaStack)")
-    config = transformer_config(model, parallel)
+    config = config or transformer_config(model, parallel)
     mamba = hybrid_model_class()(
         config=config,
         mamba_stack_spec=hybrid_stack_spec(config, model),
@@ -248,7 +255,8 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
     return mamba.cuda(torch.cuda.current_device())
 
 
-def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None, pg_collection=None):
+def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None, pg_collection=None,
+               config=None):
     """A ``GPTModel`` for this rank's pipeline stage (Megatron parallel state must be initialised).
 
     Uses Transformer Engine layer specs when TE and CUDA are available, the local spec otherwise;
@@ -259,7 +267,7 @@ def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model, parallel)
+    config = config or transformer_config(model, parallel)
     spec = with_global_normalized_routers(decoder_block_spec(config, model.normalization))
     gpt = GPTModel(
         config=config,

@@ -108,12 +108,15 @@ def _check_divides(size_key: str, size: int, target_key: str, target: int, hint:
         raise ConfigError(f"{size_key}={size} does not divide {target_key}={target}{extra}")
 
 
-def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_minutes: float | None = None) -> None:
+def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_minutes: float | None = None,
+                              cuda_graphs: bool = False) -> None:
     """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNGs.
 
     ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU).
     ``timeout_minutes``: collective timeout of every group Megatron creates
-    (``distributed.timeout_minutes``); None = the schema's default.
+    (``distributed.timeout_minutes``); None = the schema's default. ``cuda_graphs``: some model of
+    the run will replay CUDA graphs (``rollout.cuda_graphs``): on a GPU the RNG tracker is megatron-core's
+    graph-safe one (its graph managers refuse any other; the dropout streams differ from the default one).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -129,7 +132,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_mi
         distributed_timeout_minutes=timeout_minutes or DistributedConfig().timeout_minutes,
     )
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs and torch.cuda.is_available())
 
 
 def build_decode_process_groups(layout: Layout, timeout_minutes: float | None = None):

@@ -29,6 +29,12 @@ Expert-parallel lockstep: MoE all-to-alls need every rank of the expert-parallel
 forward. One all-reduce (MAX over the EP group) per step decides whether any rank still has work;
 a rank without (finished early, or called with no prompts) runs a dummy forward instead.
 
+CUDA graphs (``KVCacheConfig.cuda_graphs``): the context pads each decode-only step to the smallest
+of its graph batch sizes that holds it (Megatron's ``CUDAGraphBatchDimensionBuilder``: padding
+tokens read and write the dummy block, padding requests have no keys); the logits rows of padding
+requests are never sampled, so the tokens are those of an eager step. With EP the ranks agree on
+one size per step (a MAX over the EP group inside the context; idle ranks join it).
+
 Pipeline parallelism: by default one lane (one KV cache), every step through all stages in turn.
 With ``overlap_pipeline_stages`` the requests are split over one lane per stage and the stages
 work on different lanes at once (``_run_pipelined``).
@@ -45,6 +51,7 @@ import torch.distributed as dist
 
 from megatron_cascade.rollout.batch import GenerationStats, RolloutSample
 from megatron_cascade.rollout.comm import share_step
+from megatron_cascade.rollout.cuda_graphs import release_cuda_graphs
 from megatron_cascade.rollout.kv_budget import cache_capacity, kv_layout
 from megatron_cascade.rollout.noise import gumbel_noise, sample_key
 from megatron_cascade.rollout.paged_context import PagedContext, build_context, cache_bytes
@@ -100,6 +107,7 @@ class PagedGenerator:
                                  dtype=torch.int64, device=self.device)
         self.queue: deque[list[int]] = deque(_groups(samples))
         self.reserve_full_response = kv_cache.reserve_full_response
+        self.cuda_graphs = kv_cache.cuda_graphs
         self._admissions = 0
         self.pp_size = self.groups.pp_size
         self.ep_group = self.groups.ep
@@ -131,7 +139,7 @@ class PagedGenerator:
             max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
             ctx = build_context(self.forward.gpt, layout, self.groups, share, _round_up(max_requests, tp),
-                                _round_up(max_tokens, tp), max(lengths))
+                                _round_up(max_tokens, tp), max(lengths), kv_cache.cuda_graphs)
             self.lanes.append(_Lane(ctx, share))
             self.stats.kv_cache_bytes += cache_bytes(ctx)
 
@@ -147,10 +155,14 @@ class PagedGenerator:
 
     def run(self) -> None:
         """Generate until every sample (on every rank of the EP group) is finished."""
-        if len(self.lanes) > 1:
-            self._run_pipelined()
-        else:
-            self._run_lockstep()
+        try:
+            if len(self.lanes) > 1:
+                self._run_pipelined()
+            else:
+                self._run_lockstep()
+        finally:
+            if self.cuda_graphs is not None:
+                release_cuda_graphs()  # they point into this call's KV buffer
 
     def _run_lockstep(self) -> None:
         """One lane; with EP, one all-reduce per step decides whether any EP rank has work."""
@@ -175,6 +187,8 @@ class PagedGenerator:
                 self._apply(lane, order, rows, children, out)
             else:
                 self.stats.dummy_steps += 1
+                if self.cuda_graphs is not None:
+                    _join_graph_match(self.ep_group)
                 self.forward.dummy()
 
     def _run_pipelined(self) -> None:
@@ -393,6 +407,17 @@ def _check_paged_attention() -> None:
         raise RuntimeError("generate() runs Megatron's paged KV cache, which needs flash-attn >= 2.7.3 or "
                            "flash-attn 3 on GPU (pip install 'flash-attn>=2.7.3'); use_kv_cache=False "
                            "recomputes instead (slow)")
+
+
+def _join_graph_match(ep_group) -> None:
+    """An idle rank's part in the step's graph choice: with CUDA graphs, each working EP rank's
+    ``initialize_attention_state`` takes the MAX of the step's token count over the EP group (so that
+    every rank pads to the same graph, or all run eagerly); a rank without requests joins that
+    all-reduce with an empty step, then runs its eager dummy forward."""
+    from megatron.core.inference.batch_dimensions_utils import InferenceBatchDimensions
+
+    InferenceBatchDimensions.adjust_batch_dims_for_expert_parallelism(
+        InferenceBatchDimensions(), strict=False, decode_only_cuda_graphs=True, ep_group=ep_group)
 
 
 def _groups(samples: list[RolloutSample]) -> list[list[int]]:

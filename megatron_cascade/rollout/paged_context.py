@@ -10,6 +10,8 @@ adds requests (``add_request``), runs forwards on ``current_input_and_position_i
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
@@ -71,10 +73,12 @@ class PagedContext(DynamicInferenceContext):
 
 
 def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups, blocks: int, max_requests: int,
-                  max_tokens: int, max_sequence_length: int) -> PagedContext:
+                  max_tokens: int, max_sequence_length: int, cuda_graphs: Optional[int] = None) -> PagedContext:
     """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block) and
     ``max_requests`` request slots, for this rank's stage ``gpt`` (a hybrid model's slots also hold
     each Mamba layer's conv and SSM state: Megatron's ``MambaInferenceStateConfig``).
+
+    ``cuda_graphs``: Megatron's ``num_cuda_graphs`` for decode-only steps (``KVCacheConfig.cuda_graphs``).
 
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
@@ -93,6 +97,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
         block_size_tokens=layout.block_size_tokens,
         materialize_only_last_token_logits=True,
         mamba_inference_state_config=_mamba_state_config(gpt) if layout.state_bytes else None,
+        num_cuda_graphs=cuda_graphs,
         use_cuda_graphs_for_non_decode_steps=False,
         unified_memory_level=0,
         pg_collection=gpt.pg_collection,

@@ -72,6 +72,12 @@ class KVCacheConfig:
         expected_response_fraction: the expected response length as a fraction of the response
             budget: sizes a hybrid model's request slots (each holds a Mamba state), as many as
             requests of that length fit beside their KV blocks.
+        cuda_graphs: how many decode batch sizes to pad decode-only steps to (Megatron's
+            ``num_cuda_graphs``: sizes spread up to the request limit, multiples of 8 and of the TP
+            size); on a GPU a decode copy built with graphs (``rollout.parallel``) replays a CUDA
+            graph captured once per size and ``generate`` call. None: eager steps, padded to the
+            TP size only. Padding never changes a token (padding rows read the dummy block and are
+            never sampled).
         reserve_full_response: admit a request only with blocks for its whole response budget,
             held until it finishes (no preemption ever; the baseline of ``benchmarks/generation.py``).
             False (default): blocks are taken as tokens are generated, and requests are preempted
@@ -86,6 +92,7 @@ class KVCacheConfig:
     kv_cache_fraction: float = 0.5
     block_size_tokens: int = 256
     expected_response_fraction: float = 0.5
+    cuda_graphs: Optional[int] = None
     reserve_full_response: bool = False
 
     @classmethod
@@ -93,7 +100,8 @@ class KVCacheConfig:
         """From a ``RolloutConfig`` (``rollout.kv_cache_bytes / kv_cache_fraction / kv_block_size_tokens``)."""
         return cls(kv_cache_bytes=rollout.kv_cache_bytes, kv_cache_fraction=rollout.kv_cache_fraction,
                    block_size_tokens=rollout.kv_block_size_tokens,
-                   expected_response_fraction=rollout.expected_response_fraction)
+                   expected_response_fraction=rollout.expected_response_fraction,
+                   cuda_graphs=rollout.cuda_graphs)
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -102,5 +110,7 @@ class KVCacheConfig:
             raise ValueError(f"rollout.kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]")
         if not 0.0 < self.expected_response_fraction <= 1.0:
             raise ValueError(f"rollout.expected_response_fraction={self.expected_response_fraction} must be in (0, 1]")
+        if self.cuda_graphs is not None and self.cuda_graphs < 1:
+            raise ValueError(f"rollout.cuda_graphs={self.cuda_graphs} must be >= 1 (or null: no graphs)")
         if self.block_size_tokens < 1:
             raise ValueError(f"rollout.kv_block_size_tokens={self.block_size_tokens} must be >= 1")

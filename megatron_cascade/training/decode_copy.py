@@ -33,6 +33,7 @@ from megatron_cascade.config import ModelConfig
 from megatron_cascade.config.model import DecodeParallelConfig
 from megatron_cascade.model import build_model, resolve_layout
 from megatron_cascade.model.parallel import Layout, build_decode_process_groups
+from megatron_cascade.rollout.cuda_graphs import graph_decode_steps_only
 from megatron_cascade.rollout.groups import GenerationReplica
 from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
 
@@ -47,16 +48,21 @@ class DecodeCopy:
         module: this rank's model (eval mode, no gradients), its ``pg_collection`` the decode groups.
         refit_seconds: wall time of the last refit.
         refit_bytes: parameter bytes this rank received in one refit (its share of the copy).
+        graphed_layers: layers that replay CUDA graphs in decode steps (``rollout.cuda_graphs`` on a
+            GPU; ``rollout/cuda_graphs.py``), 0 otherwise.
     """
 
     def __init__(self, model_cfg: ModelConfig, decode: DecodeParallelConfig, *,
-                 timeout_minutes: Optional[float] = None) -> None:
+                 timeout_minutes: Optional[float] = None, cuda_graphs: bool = False) -> None:
         _patch_local_expert_names()
         parallel = decode.as_parallel()
         self.layout: Layout = resolve_layout(model_cfg, parallel, dist.get_world_size(), check_this_machine=False,
                                              prefix="rollout.parallel.")
         self.groups = build_decode_process_groups(self.layout, timeout_minutes)
-        model = build_model(model_cfg, parallel, pg_collection=self.groups)
+        # Graph managers need CUDA; on CPU the context still pads decode steps to the graph sizes.
+        graphs = cuda_graphs and torch.cuda.is_available()
+        model = build_model(model_cfg, parallel, pg_collection=self.groups, inference_cuda_graphs=graphs)
+        self.graphed_layers = graph_decode_steps_only(model) if graphs else 0
         self.module = in_model_precision(model, model_cfg).eval()
         for param in self.module.parameters():
             param.requires_grad_(False)

@@ -55,6 +55,8 @@ REFUSED = {
                                           "model.position_embedding_type=none", "parallel.tensor_model_parallel_size=2",
                                           "rollout.parallel.tensor_model_parallel_size=1"], False,
                                          "rollout.parallel.tensor_model_parallel_size=1"),
+    "cuda_graphs_every_layer_moe": ([*MOE, "rollout.parallel.tensor_model_parallel_size=1", "rollout.cuda_graphs=4"],
+                                    False, "rollout.cuda_graphs=4"),
     "kv_budget_below_one_sample": (["rollout.kv_cache_bytes=1000"], False, "rollout.kv_cache_bytes"),
     "param_gather_without_dist_opt": (["parallel.overlap_param_gather=true"], False,
                                       "parallel.overlap_param_gather"),
@@ -85,6 +87,15 @@ def test_context_parallel_trains_where_a_decode_layout_generates(tmp_path):
     out = describe_plan(small_config(tmp_path, "parallel.context_parallel_size=2",
                                      "rollout.parallel.tensor_model_parallel_size=1"))
     assert "layout: TP=1 PP=1 CP=2" in out and "decode layout: TP=1 EP=1 ETP=1 DP=4" in out
+
+
+def test_cuda_graphs_need_a_decode_copy_and_are_planned_on_it(tmp_path):
+    """rollout.cuda_graphs without rollout.parallel is refused at load naming both keys (the training
+    model must not replay inference graphs); with a decode layout the plan says so."""
+    with pytest.raises(ConfigError, match=r"rollout.cuda_graphs needs rollout.parallel"):
+        small_config(tmp_path, "rollout.cuda_graphs=4")
+    text = describe_plan(small_config(tmp_path, "rollout.parallel.tensor_model_parallel_size=1", "rollout.cuda_graphs=4"))
+    assert "decode steps on 4 CUDA graph sizes" in text
 
 
 def test_sequence_parallel_runs_with_rollouts_and_eval(tmp_path):

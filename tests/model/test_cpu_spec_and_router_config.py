@@ -38,6 +38,17 @@ def test_bad_router_config(model, parallel, message):
         transformer_config(model, parallel)
 
 
+def test_inference_graph_config_drops_recompute_and_leaves_training_alone():
+    """A decode copy with CUDA graphs is built with megatron-core's local graph managers and no
+    recompute (megatron-core refuses full recompute with per-layer graphs); the training config keeps
+    its recompute and no graphs."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, recompute="full")
+    copy = transformer_config(model, ParallelConfig(), inference_cuda_graphs=True)
+    assert (copy.cuda_graph_impl, copy.recompute_granularity, copy.cuda_graph_scope) == ("local", None, [])
+    training = transformer_config(model, ParallelConfig())
+    assert (training.cuda_graph_impl, training.recompute_granularity) == ("none", "full")
+
+
 def test_router_keys_reach_megatron():
     config = transformer_config(_moe(router_score_function="sigmoid", router_enable_expert_bias=True,
                                      router_bias_update_rate=0.01, router_load_balancing_type="seq_aux_loss",

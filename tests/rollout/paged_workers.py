@@ -4,6 +4,7 @@ them): KV budget, shared prefills, ``on_finished``, empty calls, and MoE layouts
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from unittest import mock
 
@@ -101,9 +102,10 @@ def _callback_timing(model) -> dict:
     return {"calls": calls, "forwards": len(forwards), "same_objects": [len(s.response_ids) for s in batch]}
 
 
-def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
+def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool, cuda_graphs=None) -> dict:
     """MoE greedy generation: one process runs both ranks' prompt sets; with DP=2 each rank its own
-    (rank 1's ends early), then rank 1 with no prompts at all while rank 0 generates."""
+    (rank 1's ends early), then rank 1 with no prompts at all while rank 0 generates. ``cuda_graphs``:
+    decode steps padded to graph sizes (``padded_steps`` counts those that were)."""
     from megatron.core import parallel_state as ps
 
     from megatron_cascade.testing.checkpoints import model_with_shared_weights
@@ -113,18 +115,68 @@ def moe_worker(parallel: ParallelConfig, weights_dir: str, init: bool) -> dict:
     mine = [rank] if dp > 1 else [0, 1]
     before = _sequence_parallel_state(model)
     out = {}
-    for r in mine:
-        batch = generate(model, EP_PROMPTS[r], EP_PARAMS[r], tokenizer=TOKENIZER)
-        out[r] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
-                  "dummy": batch.stats.dummy_steps}
-    if dp > 1:
-        prompts = EP_PROMPTS[0] if rank == 0 else []
-        batch = generate(model, prompts, EP_PARAMS[0], tokenizer=TOKENIZER)
-        out["alone"] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
-                        "dummy": batch.stats.dummy_steps}
+    kv_cache = KVCacheConfig(cuda_graphs=cuda_graphs)
+    with _counting_padded_steps() as padded:
+        for r in mine:
+            batch = generate(model, EP_PROMPTS[r], EP_PARAMS[r], tokenizer=TOKENIZER, kv_cache=kv_cache)
+            out[r] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
+                      "dummy": batch.stats.dummy_steps}
+        if dp > 1:
+            prompts = EP_PROMPTS[0] if rank == 0 else []
+            batch = generate(model, prompts, EP_PARAMS[0], tokenizer=TOKENIZER, kv_cache=kv_cache)
+            out["alone"] = {"tokens": [s.response_ids for s in batch], "steps": batch.stats.steps,
+                            "dummy": batch.stats.dummy_steps}
+    out["padded_steps"] = padded
     out["sequence_parallel_restored"] = model.config.sequence_parallel == parallel.sequence_parallel
     out["sequence_parallel_state"] = (before, _sequence_parallel_state(model))
     return out
+
+
+@contextlib.contextmanager
+def _counting_padded_steps():
+    """Yields a list that collects, per step run on a graph size, (real tokens, padded tokens)."""
+    from megatron_cascade.rollout.paged_context import PagedContext
+
+    padded = []
+    original = PagedContext.initialize_attention_state
+
+    def counting(ctx, *args, **kwargs):
+        original(ctx, *args, **kwargs)
+        if ctx.using_cuda_graph_this_step():
+            padded.append((ctx.active_token_count, ctx.padded_active_token_count))
+
+    with mock.patch.object(PagedContext, "initialize_attention_state", counting):
+        yield padded
+
+
+def graph_padding_worker(weights_dir: str) -> dict:
+    """The long-tailed workload (requests finishing at many different steps) with decode steps padded
+    to 4 graph sizes, under an unlimited budget and a tight one (preemptions), vs eager steps."""
+    model = _setup(ParallelConfig(), weights_dir, save=False)
+    prompts, params = _long_tail_workload()
+    eager = generate(model, prompts, params, tokenizer=TOKENIZER)
+    out = {"eager": _summary(eager)}
+    budget = KVCacheConfig(kv_cache_bytes=12 * BLOCK_BYTES, block_size_tokens=16)
+    for name, kv_cache in (("graphs", KVCacheConfig(cuda_graphs=4)), ("graphs_tight", replace(budget, cuda_graphs=4)),
+                           ("tight", budget)):
+        with _counting_padded_steps() as padded:
+            batch = generate(model, prompts, params, tokenizer=TOKENIZER, kv_cache=kv_cache)
+        out[name], out[f"{name}_padded"], out[f"{name}_stats"] = _summary(batch), padded, vars(batch.stats)
+    return out
+
+
+def _long_tail_workload():
+    """8 prompts of 5-29 tokens x 3 samples, stopping at four frequent tokens (some run to the cap of 48)."""
+    import torch
+
+    from megatron_cascade.rollout import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TOKENIZER.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 30, (8,), generator=gen)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=48, n=3, seed=3, stop_token_ids=(17, 42, 50, 61),
+                            ignore_eos=True)
+    return prompts, params
 
 
 def _sequence_parallel_state(model) -> list:
@@ -137,17 +189,10 @@ def _sequence_parallel_state(model) -> list:
 def long_tail_worker(weights_dir: str, block_tokens: int, fraction_of_need: float) -> dict:
     """Long-tailed responses (two frequent stop tokens; some run to the cap) under a budget of a
     fraction of what all requests need at their longest, on demand and reserved, vs an unlimited one."""
-    import torch
-
-    from megatron_cascade.rollout import SamplingParams
     from megatron_cascade.rollout.kv_budget import kv_layout
 
     model = _setup(ParallelConfig(), weights_dir, save=False)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, TOKENIZER.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(5, 30, (8,), generator=gen)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=48, n=3, seed=3, stop_token_ids=(17, 42, 50, 61),
-                            ignore_eos=True)
+    prompts, params = _long_tail_workload()
     layout = kv_layout(model, block_tokens, tp=1)
     need = sum(layout.blocks_for(len(p) + params.max_new_tokens) for p in prompts) * params.n * layout.block_bytes
     budget = int(need * fraction_of_need) + layout.block_bytes

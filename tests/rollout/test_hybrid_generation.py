@@ -13,6 +13,7 @@ of each prompt + response alone. Prompts of four lengths, n = 2 samples per prom
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -23,6 +24,7 @@ from megatron_cascade.config.model import HybridConfig
 from megatron_cascade.rollout import SamplingParams, generate
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.tokenizers import CharTokenizer
+from paged_workers import _counting_padded_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -83,6 +85,12 @@ def _single_worker(weights_dir):
             three = generate(model, PROMPTS, params, tokenizer=TOKENIZER, kv_cache=_three_slots(model),
                              max_sequence_length=limit)
         three_ref = generate(model, PROMPTS, params, tokenizer=TOKENIZER, use_kv_cache=False, max_sequence_length=limit)
+        # rollout.cuda_graphs: decode steps padded to graph sizes (as a GPU replays them), preempting too.
+        with _counting_padded_steps() as padded:
+            graphs = {"three": generate(model, PROMPTS, params, tokenizer=TOKENIZER, max_sequence_length=limit,
+                                        kv_cache=replace(_three_slots(model), cuda_graphs=2)),
+                      "tight": generate(model, PROMPTS, params, tokenizer=TOKENIZER,
+                                        kv_cache=replace(_tight_budget(model), cuda_graphs=2))}
         result[name] = dict(paged=_tokens(paged), static=_tokens(static), recomputed=_tokens(recomputed),
                             tight=_tokens(tight), three=_tokens(three), three_ref=_tokens(three_ref),
                             three_logprobs=([s.response_logprobs for s in three],
@@ -91,7 +99,9 @@ def _single_worker(weights_dir):
                             logprobs={k: [s.response_logprobs for s in b] for k, b in
                                       (("paged", paged), ("static", static), ("recomputed", recomputed),
                                        ("tight", tight))},
-                            forced=_teacher_forced_logprobs(model, paged))
+                            forced=_teacher_forced_logprobs(model, paged),
+                            graphs={k: (_tokens(b), [s.response_logprobs for s in b]) for k, b in graphs.items()},
+                            graphs_padded=padded)
     result["budget"] = _budget_checks(model)
     return result
 
@@ -177,6 +187,68 @@ def _ep_worker(weights_dir):
             for static in (False, True)}
 
 
+class _EagerGraphManager:
+    """Stands in for megatron-core's ``CudaGraphManager`` (which needs CUDA): records which layer it
+    was asked to replay in which step, then runs the layer eagerly."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __call__(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        kwargs.pop("dynamic_inference_decode_only", None)  # the graph runner's key, not a forward argument
+        dims = kwargs["inference_context"].padded_batch_dimensions
+        self.calls.append((type(module).__name__, dims.prefill_req_count, dims.decode_req_count))
+        return module.forward(*args, **kwargs)
+
+
+def _graph_routing_worker(weights_dir):
+    """Which layers would replay CUDA graphs, in which steps: every graphable layer gets a manager (as
+    ``cuda_graph_impl="local"`` gives them on a GPU), then ``graph_decode_steps_only`` narrows them."""
+    from megatron.core.transformer.module import GraphableMegatronModule
+
+    from megatron_cascade.rollout import KVCacheConfig
+    from megatron_cascade.rollout.cuda_graphs import graph_decode_steps_only
+
+    model = _model(ParallelConfig(), weights_dir, False)
+    calls: list = []
+    layers = [m for m in model.modules() if isinstance(m, GraphableMegatronModule)]
+    for layer in layers:
+        layer.cudagraph_manager = _EagerGraphManager(calls)
+    graphed = graph_decode_steps_only(model)
+    out = {"layers": [type(m).__name__ for m in layers], "graphed": graphed,
+           "kept": [type(m).__name__ for m in layers if hasattr(m, "cudagraph_manager")]}
+    runs = {"eager": dict(), "graphs": dict(kv_cache=KVCacheConfig(cuda_graphs=2)),
+            "static": dict(static_batches=True, kv_cache=KVCacheConfig(cuda_graphs=2))}
+    for name, kwargs in runs.items():
+        calls.clear()
+        batch = generate(model, PROMPTS, SAMPLED, tokenizer=TOKENIZER, max_sequence_length=len(PROMPTS[2]) + 3,
+                         **kwargs)
+        out[name] = (_tokens(batch), list(calls))
+    calls.clear()
+    model.train()
+    ids = torch.tensor([PROMPTS[0]])
+    model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].sum().backward()
+    out["training_calls"] = list(calls)
+    return out
+
+
+def test_cuda_graphs_replay_only_decode_steps_of_layers_without_moe(single):
+    """On a GPU, rollout.cuda_graphs gives the decode copy megatron-core's graph managers; replayed are
+    exactly the decode steps padded to a graph size, in the Mamba and attention layers, never the MoE
+    layer, a prefill or mixed step, the static path or a training forward; tokens as eager."""
+    got = run_distributed(_graph_routing_worker, 1, single[0])[0]
+    assert got["layers"] == ["MambaLayer", "TransformerLayer", "MambaLayer", "MoETransformerLayer"]
+    assert got["kept"] == ["MambaLayer", "TransformerLayer", "MambaLayer"] and got["graphed"] == 3
+    eager_tokens, eager_calls = got["eager"]
+    tokens, calls = got["graphs"]
+    assert tokens == eager_tokens and eager_calls == []
+    assert calls and all(prefill == 0 for _, prefill, _ in calls)
+    assert len(calls) % 3 == 0 and {name for name, _, _ in calls} == {"MambaLayer", "TransformerLayer"}
+    assert got["static"][0] == eager_tokens and got["static"][1] == []
+    assert got["training_calls"] == []
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     weights = str(tmp_path_factory.mktemp("hybrid_gen") / "w")
@@ -207,6 +279,20 @@ def test_steps_mixing_decode_and_prefill_equal_the_recompute(single, name):
     assert result["mixed_steps"] > 0
     assert result["three"] == result["three_ref"]
     for cached, recomputed in zip(*result["three_logprobs"], strict=True):
+        assert max(abs(a - b) for a, b in zip(cached, recomputed, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_decode_steps_padded_to_graph_sizes_equal_the_recompute(single, name):
+    """rollout.cuda_graphs on the hybrid model: padding requests hold no Mamba state slot and are never
+    sampled, so padded decode steps (beside mixed steps, and with preemptions) give the recompute's tokens."""
+    result = single[1][name]
+    assert any(real < size for real, size in result["graphs_padded"])
+    for case, reference in (("three", "three_ref"), ("tight", "recomputed")):
+        tokens, logprobs = result["graphs"][case]
+        assert tokens == result[reference], case
+    tokens, logprobs = result["graphs"]["three"]
+    for cached, recomputed in zip(logprobs, result["three_logprobs"][1], strict=True):
         assert max(abs(a - b) for a, b in zip(cached, recomputed, strict=True)) < 1e-5
 
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_cascade.config import ParallelConfig
 from megatron_cascade.testing import run_distributed
-from paged_workers import EP_PROMPTS, SMALL, budget_worker, long_tail_worker, moe_worker
+from paged_workers import EP_PROMPTS, SMALL, budget_worker, graph_padding_worker, long_tail_worker, moe_worker
 from rollout_workers import GREEDY, PROMPTS, SAMPLED
 
 pytestmark = pytest.mark.distributed
@@ -63,6 +63,24 @@ def test_long_tailed_responses_under_a_tight_budget(ref, tmp_path_factory, block
     assert got["demand_stats"]["peak_requests"] > got["reserved_stats"]["peak_requests"]
 
 
+def test_decode_steps_padded_to_graph_sizes_change_no_token(ref):
+    """rollout.cuda_graphs: decode-only steps padded up to Megatron's graph batch sizes (as a GPU
+    replays captured graphs) give the eager steps' tokens, also while requests are preempted; their
+    log-probs differ by float rounding only (padding rows are never sampled)."""
+    got = run_distributed(graph_padding_worker, 1, ref["weights_dir"])[0]
+    eager = got["eager"]
+    for name in ("graphs", "graphs_tight"):
+        padded = got[f"{name}_padded"]
+        assert any(real < size for real, size in padded), f"{name}: no step was padded"
+        assert got[name]["tokens"] == eager["tokens"] and got[name]["reasons"] == eager["reasons"], name
+        for key in ("logprobs", "sampled_logprobs"):
+            for a, b in zip(got[name][key], eager[key], strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert got["graphs_tight_stats"]["preemptions"] > 0
+    assert got["graphs_tight_stats"]["preemptions"] == got["tight_stats"]["preemptions"]
+    assert not got["tight_padded"] and not got["eager"].get("padded")
+
+
 def test_samples_of_a_prompt_share_its_prefill(ref):
     assert ref["fed_tokens"] == ref["fed_expected"]
     # Under the reserved budget a prompt's 3 samples (2 blocks each) do not fit at once: forks only
@@ -113,6 +131,22 @@ def test_expert_parallel_lockstep_across_data_parallel(moe_ref):
     assert ranks[0]["alone"]["tokens"] == ref[0]["tokens"]
     assert ranks[1]["alone"] == {"tokens": [], "steps": 10, "dummy": 10}
     assert len(EP_PROMPTS[1]) == 1
+
+
+def test_expert_parallel_ranks_pad_to_one_graph_size(moe_ref):
+    """EP=2 x DP=2 with rollout.cuda_graphs: the EP group agrees on each step's size (a MAX over the
+    group inside the context, which idle ranks join: without that, rank 1's dummy steps hang the
+    group), and the tokens are one process's."""
+    weights, ref = moe_ref
+    ranks = run_distributed(moe_worker, 2, ParallelConfig(expert_model_parallel_size=2), weights, False, 2,
+                            timeout_s=240)
+    for rank, got in enumerate(ranks):
+        assert got[rank]["tokens"] == ref[rank]["tokens"]
+    assert ranks[0]["alone"]["tokens"] == ref[0]["tokens"]
+    assert ranks[1]["alone"] == {"tokens": [], "steps": 10, "dummy": 10}
+    # Rank 0's 9 decode steps of each call run on its 2-request graph size; rank 1 (one request slot)
+    # has no size that holds the group's 2 tokens, so its steps run eagerly.
+    assert ranks[0]["padded_steps"] == [(2, 2)] * 18 and ranks[1]["padded_steps"] == []
 
 
 @pytest.mark.parametrize("parallel", [
