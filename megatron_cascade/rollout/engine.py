@@ -54,7 +54,7 @@ from megatron_cascade.rollout.comm import share_step
 from megatron_cascade.rollout.cuda_graphs import release_cuda_graphs
 from megatron_cascade.rollout.kv_budget import cache_capacity, kv_layout
 from megatron_cascade.rollout.noise import gumbel_noise, sample_key
-from megatron_cascade.rollout.paged_context import PagedContext, build_context, cache_bytes
+from megatron_cascade.rollout.paged_context import PagedContext, build_context, cache_bytes, step_token_multiple
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.sampling import sample
 from megatron_cascade.rollout.stage_forward import StageForward
@@ -108,6 +108,8 @@ class PagedGenerator:
         self.queue: deque[list[int]] = deque(_groups(samples))
         self.reserve_full_response = kv_cache.reserve_full_response
         self.cuda_graphs = kv_cache.cuda_graphs
+        # Every step's tokens padded to a multiple of it: TP (SP-split MoE layers), FP8 GEMMs (TE needs 8).
+        self.token_multiple = step_token_multiple(self.forward.gpt, self.groups)
         self._admissions = 0
         self.pp_size = self.groups.pp_size
         self.ep_group = self.groups.ep
@@ -132,14 +134,14 @@ class PagedGenerator:
         lanes = self._lane_count(usable, max(self.reserve))
         # A preempted request is prefilled again from prompt + response: the step must hold the longest.
         longest = max(lengths) if not self.reserve_full_response else max(len(s.prompt_ids) for s in self.samples)
-        tp = self.forward.tp_size
+        multiple = self.token_multiple
         for _ in range(lanes):
             share = usable // lanes
             max_requests = min(len(self.samples), share, max(1, capacity.slots // lanes))
             max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
-            ctx = build_context(self.forward.gpt, layout, self.groups, share, _round_up(max_requests, tp),
-                                _round_up(max_tokens, tp), max(lengths), kv_cache.cuda_graphs)
+            ctx = build_context(self.forward.gpt, layout, self.groups, share, _round_up(max_requests, multiple),
+                                _round_up(max_tokens, multiple), max(lengths), kv_cache.cuda_graphs, multiple)
             self.lanes.append(_Lane(ctx, share))
             self.stats.kv_cache_bytes += cache_bytes(ctx)
 
@@ -189,7 +191,7 @@ class PagedGenerator:
                 self.stats.dummy_steps += 1
                 if self.cuda_graphs is not None:
                     _join_graph_match(self.ep_group)
-                self.forward.dummy()
+                self.forward.dummy(self.token_multiple)
 
     def _run_pipelined(self) -> None:
         """Pipeline stages overlapped: lane after lane, each stage runs its part of a lane's step

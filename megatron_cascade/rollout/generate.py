@@ -89,6 +89,8 @@ def generate(
                for p, prompt in enumerate(prompts) for k in range(params.n)]
     budgets = _budgets(samples, params.max_new_tokens, limit)
     stats = None
+    if getattr(gpt.config, "fp8", None) is not None:
+        gpt.set_is_first_microbatch()  # TE recasts the FP8 weights (else: the cast of before the last update)
     with _eval_mode(model), torch.no_grad(), sequence_parallel_off(model):
         if use_kv_cache and static_batches:
             rows = _static_rows(gpt, samples, budgets, kv_cache or KVCacheConfig())

@@ -10,6 +10,8 @@ adds requests (``add_request``), runs forwards on ``current_input_and_position_i
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import torch
@@ -20,12 +22,13 @@ from megatron_cascade.rollout.kv_budget import KVLayout
 
 
 class PagedContext(DynamicInferenceContext):
-    """``DynamicInferenceContext`` that pads a step's token count only to the TP size.
+    """``DynamicInferenceContext`` that pads a step's token count only to what the kernels need.
 
-    Megatron rounds every step up to 64 tokens (and the request count to 4) so that steps match
-    captured CUDA graphs; ``generate`` runs eagerly, where that padding is pure waste (a decode
-    step with 3 live requests would compute 64 rows). Sequence parallelism still needs a multiple
-    of the TP size, which ``round_up_tokens`` keeps.
+    Megatron rounds every step up to 64 tokens (and the request count to 4) for its CUDA graphs;
+    eager steps need no such padding (a decode step with 3 live requests would compute 64 rows), and
+    graph steps are padded to their graph's size anyway. Sequence parallelism still needs a multiple
+    of the TP size, which ``round_up_tokens`` keeps; FP8 GEMMs need 8 (``build_context``'s
+    ``token_multiple`` picks a subclass with that ``TOKEN_ROUNDER``).
     """
 
     TOKEN_ROUNDER = 1
@@ -72,20 +75,51 @@ class PagedContext(DynamicInferenceContext):
         return self.request_ids[self.paused_request_count:self.total_request_count].tolist()
 
 
+# Transformer Engine's FP8 GEMMs assert that the token dimension is a multiple of 8 (assert_dim_for_fp8_exec).
+FP8_TOKEN_MULTIPLE = 8
+
+
+def step_token_multiple(gpt: torch.nn.Module, groups: ReplicaGroups) -> int:
+    """What every generation step's token count (and the request slots, which cap a decode step's
+    padding) must be a multiple of: the TP sizes — the replica's, and Megatron's parallel-state one, which
+    ``DynamicInferenceContext.round_up_tokens`` reads when a decode copy has its own — and, when the model
+    runs FP8 GEMMs, TE's 8 (Megatron's ``TOKEN_ROUNDER`` of 64 is for CUDA graphs; eager steps need no more)."""
+    from megatron.core import parallel_state
+
+    multiple = math.lcm(groups.tp_size, parallel_state.get_tensor_model_parallel_world_size()
+                        if parallel_state.is_initialized() else 1)
+    if getattr(gpt.config, "fp8", None) is not None:
+        multiple = math.lcm(multiple, FP8_TOKEN_MULTIPLE)
+    return multiple
+
+
+@functools.lru_cache(maxsize=None)
+def _context_class(token_multiple: int) -> type:
+    """``PagedContext`` rounding a step's tokens to ``token_multiple`` (a class attribute in Megatron)."""
+    if token_multiple == PagedContext.TOKEN_ROUNDER:
+        return PagedContext
+    return type(f"PagedContext{token_multiple}", (PagedContext,), {"TOKEN_ROUNDER": token_multiple})
+
+
 def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups, blocks: int, max_requests: int,
-                  max_tokens: int, max_sequence_length: int, cuda_graphs: Optional[int] = None) -> PagedContext:
+                  max_tokens: int, max_sequence_length: int, cuda_graphs: Optional[int] = None,
+                  token_multiple: int = 1) -> PagedContext:
     """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block) and
     ``max_requests`` request slots, for this rank's stage ``gpt`` (a hybrid model's slots also hold
     each Mamba layer's conv and SSM state: Megatron's ``MambaInferenceStateConfig``).
 
     ``cuda_graphs``: Megatron's ``num_cuda_graphs`` for decode-only steps (``KVCacheConfig.cuda_graphs``).
+    ``token_multiple``: every step's token count is padded to a multiple of it (``step_token_multiple``;
+    ``max_requests`` and ``max_tokens`` must be multiples of it).
 
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
     """
     # Megatron sizes the pool as buffer // (block + one request's Mamba state); the half guards rounding.
     buffer_bytes = (blocks + 1.5) * (layout.block_bytes + layout.state_bytes)
-    ctx = PagedContext(
+    if max_requests % token_multiple or max_tokens % token_multiple:
+        raise ValueError(f"max_requests={max_requests} and max_tokens={max_tokens} must be multiples of {token_multiple}")
+    ctx = _context_class(token_multiple)(
         params_dtype=layout.dtype,
         num_layers=layout.layers,
         kv_channels=layout.head_dim,

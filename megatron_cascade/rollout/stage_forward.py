@@ -76,10 +76,11 @@ class StageForward:
         dist.recv(packed, self.groups.pp_ranks[-1])
         return unpack(packed)
 
-    def dummy(self) -> None:
-        """A forward of ``tp_size`` padding tokens without a context (no KV written), through every
-        stage: it takes part in the MoE all-to-alls of the step like a real one."""
-        tokens = torch.zeros((1, self.tp_size), dtype=torch.long, device=self.device)
+    def dummy(self, tokens: Optional[int] = None) -> None:
+        """A forward of ``tokens`` (default ``tp_size``; FP8 needs 8) padding tokens without a context
+        (no KV written), through every stage: it takes part in the MoE all-to-alls of the step like a
+        real one."""
+        tokens = torch.zeros((1, tokens or self.tp_size), dtype=torch.long, device=self.device)
         self(tokens, tokens, None)
 
 

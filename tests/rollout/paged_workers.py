@@ -162,7 +162,28 @@ def graph_padding_worker(weights_dir: str) -> dict:
         with _counting_padded_steps() as padded:
             batch = generate(model, prompts, params, tokenizer=TOKENIZER, kv_cache=kv_cache)
         out[name], out[f"{name}_padded"], out[f"{name}_stats"] = _summary(batch), padded, vars(batch.stats)
+    with fp8_token_multiple(model) as fed:
+        batch = generate(model, prompts, params, tokenizer=TOKENIZER, kv_cache=budget)
+    out["fp8"], out["fp8_fed"], out["fp8_stats"] = _summary(batch), fed, vars(batch.stats)
     return out
+
+
+@contextlib.contextmanager
+def fp8_token_multiple(model):
+    """The step padding of an FP8 model (which CPU mode cannot build: FP8 needs TE): the engine's token
+    multiple 8, as ``step_token_multiple`` gives with ``config.fp8`` set. Yields the token count of
+    every forward through the embedding."""
+    from megatron_cascade.rollout import engine
+    from megatron_cascade.rollout.paged_context import FP8_TOKEN_MULTIPLE
+
+    fed = []
+    hook = model.embedding.register_forward_pre_hook(lambda mod, args, kwargs: fed.append(kwargs["input_ids"].numel()),
+                                                     with_kwargs=True)
+    try:
+        with mock.patch.object(engine, "step_token_multiple", return_value=FP8_TOKEN_MULTIPLE):
+            yield fed
+    finally:
+        hook.remove()
 
 
 def _long_tail_workload():

@@ -24,7 +24,7 @@ from megatron_cascade.config.model import HybridConfig
 from megatron_cascade.rollout import SamplingParams, generate
 from megatron_cascade.testing import run_distributed
 from megatron_cascade.tokenizers import CharTokenizer
-from paged_workers import _counting_padded_steps
+from paged_workers import _counting_padded_steps, fp8_token_multiple
 
 pytestmark = pytest.mark.distributed
 
@@ -91,6 +91,9 @@ def _single_worker(weights_dir):
                                         kv_cache=replace(_three_slots(model), cuda_graphs=2)),
                       "tight": generate(model, PROMPTS, params, tokenizer=TOKENIZER,
                                         kv_cache=replace(_tight_budget(model), cuda_graphs=2))}
+        with fp8_token_multiple(model) as fed:  # every step padded to FP8's 8 tokens, mixed steps too
+            graphs["fp8"] = generate(model, PROMPTS, params, tokenizer=TOKENIZER, max_sequence_length=limit,
+                                     kv_cache=_three_slots(model))
         result[name] = dict(paged=_tokens(paged), static=_tokens(static), recomputed=_tokens(recomputed),
                             tight=_tokens(tight), three=_tokens(three), three_ref=_tokens(three_ref),
                             three_logprobs=([s.response_logprobs for s in three],
@@ -101,7 +104,7 @@ def _single_worker(weights_dir):
                                        ("tight", tight))},
                             forced=_teacher_forced_logprobs(model, paged),
                             graphs={k: (_tokens(b), [s.response_logprobs for s in b]) for k, b in graphs.items()},
-                            graphs_padded=padded)
+                            graphs_padded=padded, fp8_fed=fed)
     result["budget"] = _budget_checks(model)
     return result
 
@@ -285,10 +288,12 @@ def test_steps_mixing_decode_and_prefill_equal_the_recompute(single, name):
 @pytest.mark.parametrize("name", ["greedy", "sampled"])
 def test_decode_steps_padded_to_graph_sizes_equal_the_recompute(single, name):
     """rollout.cuda_graphs on the hybrid model: padding requests hold no Mamba state slot and are never
-    sampled, so padded decode steps (beside mixed steps, and with preemptions) give the recompute's tokens."""
+    sampled, so padded decode steps (beside mixed steps, and with preemptions) give the recompute's tokens;
+    so do steps padded to FP8's multiple of 8 tokens (padding tokens in prefill and mixed steps)."""
     result = single[1][name]
     assert any(real < size for real, size in result["graphs_padded"])
-    for case, reference in (("three", "three_ref"), ("tight", "recomputed")):
+    assert result["fp8_fed"] and all(n % 8 == 0 for n in result["fp8_fed"])
+    for case, reference in (("three", "three_ref"), ("tight", "recomputed"), ("fp8", "three_ref")):
         tokens, logprobs = result["graphs"][case]
         assert tokens == result[reference], case
     tokens, logprobs = result["graphs"]["three"]

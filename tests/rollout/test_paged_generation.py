@@ -66,7 +66,8 @@ def test_long_tailed_responses_under_a_tight_budget(ref, tmp_path_factory, block
 def test_decode_steps_padded_to_graph_sizes_change_no_token(ref):
     """rollout.cuda_graphs: decode-only steps padded up to Megatron's graph batch sizes (as a GPU
     replays captured graphs) give the eager steps' tokens, also while requests are preempted; their
-    log-probs differ by float rounding only (padding rows are never sampled)."""
+    log-probs differ by float rounding only (padding rows are never sampled). Same for every step
+    padded to FP8's multiple of 8 tokens."""
     got = run_distributed(graph_padding_worker, 1, ref["weights_dir"])[0]
     eager = got["eager"]
     for name in ("graphs", "graphs_tight"):
@@ -79,6 +80,10 @@ def test_decode_steps_padded_to_graph_sizes_change_no_token(ref):
     assert got["graphs_tight_stats"]["preemptions"] > 0
     assert got["graphs_tight_stats"]["preemptions"] == got["tight_stats"]["preemptions"]
     assert not got["tight_padded"] and not got["eager"].get("padded")
+    # FP8: every step (prefills, decode steps, prefills again after preemption) holds a multiple of 8
+    # tokens, as TE's FP8 GEMMs assert; the tokens are unchanged.
+    assert got["fp8"]["tokens"] == eager["tokens"] and got["fp8_stats"]["preemptions"] > 0
+    assert got["fp8_fed"] and all(n % 8 == 0 for n in got["fp8_fed"]), got["fp8_fed"]
 
 
 def test_samples_of_a_prompt_share_its_prefill(ref):
