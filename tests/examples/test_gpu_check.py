@@ -77,7 +77,7 @@ def test_checks_run_on_cpu_with_a_tiny_model():
     assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
     for name in ("cpu_checkpoint", "bf16_step", "fused_logprob_head", "packed_step", "generation", "decode_copy",
-                 "nemotron_h_te"):
+                 "decode_cuda_graphs", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     assert results["fp8_step"]["status"] == "SKIP"
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
