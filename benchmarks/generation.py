@@ -9,6 +9,9 @@ generator produces the same responses: checked and printed).
   out) vs reserved for the whole response budget at admission (the engine before KV on demand).
 * ``--model hybrid``: the same for a random hybrid Mamba-2 / attention / MLP model (``M*M-``): the
   static context was its only KV-cached path before it joined the paged engine.
+* Under the same budget, a prompt's samples sharing its full KV blocks (the default) vs a copy of the
+  prompt's blocks per sample (the engine before): it matters with long prompts
+  (``--prompt-tokens 200 250``; the recipe's prompts run to 32K tokens next to 16 samples each).
 
 Workload (defaults): 16 prompts of 20-60 tokens x 4 samples = 64 requests, temperature 1, up to 256
 new tokens; two stop tokens end a response early, so lengths are long-tailed, from a few tokens to
@@ -17,7 +20,8 @@ the 256 cap (the table prints them).
 Timing: the generators in one process, alternated, best of ``--repeats``. Memory: each in a fresh
 process, peak RSS above the RSS after a warm-up call, plus the cache bytes each allocated.
 
-Usage: ``python benchmarks/generation.py [--model gpt|hybrid] [--prompts 16 --samples 4 --max-new-tokens 256]``.
+Usage: ``python benchmarks/generation.py [--model gpt|hybrid] [--prompts 16 --samples 4 --max-new-tokens 256]
+[--prompt-tokens 20 60]``.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ class Workload:
     samples: int
     max_new_tokens: int
     seed: int = 0
+    prompt_tokens: tuple[int, int] = (20, 60)  # prompt lengths, uniform in [lo, hi]
 
     def prompt_ids(self) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed)
-        lengths = torch.randint(20, 61, (self.prompts,), generator=gen).tolist()
+        lengths = torch.randint(self.prompt_tokens[0], self.prompt_tokens[1] + 1, (self.prompts,), generator=gen).tolist()
         return [torch.randint(3, TOKENIZER.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
     def params(self) -> SamplingParams:
@@ -107,6 +112,7 @@ def timing_worker(model_cfg: ModelConfig, work: Workload, repeats: int, budget: 
     capped = KVCacheConfig(kv_cache_bytes=budget, block_size_tokens=BLOCK_TOKENS)
     kinds = {"static": roomy, "paged": roomy, "on_demand": capped,
              "on_demand_tuned": replace(capped, expected_response_fraction=expected_fraction),
+             "copied_prompts": replace(capped, share_prompt_blocks=False),
              "reserved": replace(capped, reserve_full_response=True)}
     for name, kv in kinds.items():
         _run(name, model, replace(work, prompts=2, max_new_tokens=8), kv)  # warm-up
@@ -155,13 +161,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(20, 60), metavar=("LO", "HI"),
+                        help="prompt lengths, uniform in [LO, HI] (prompt + max_new_tokens <= 512)")
     parser.add_argument("--expected-response-fraction", type=float, default=0.25,
                         help="rollout.expected_response_fraction of the tuned on-demand row: the workload's mean "
                              "response length over its cap (response/length_mean over max_new_tokens in a run's "
                              "metrics); the other rows use the default 0.5")
     args = parser.parse_args()
     model_cfg = MODELS[args.model]
-    work = Workload(args.prompts, args.samples, args.max_new_tokens)
+    work = Workload(args.prompts, args.samples, args.max_new_tokens, prompt_tokens=tuple(args.prompt_tokens))
     budget = _need_bytes(model_cfg, work) // 4
     res = run_distributed(timing_worker, 1, model_cfg, work, args.repeats, budget, args.threads,
                           args.expected_response_fraction, timeout_s=3600)[0]
@@ -181,6 +189,7 @@ def main() -> None:
     rows = [("static batches (before)", "static", mem["static"]), ("paged, all memory", "paged", mem["paged"]),
             (f"paged, {budget / 2**20:.2f} MiB, KV on demand", "on_demand", None),
             (f"  ... expected fraction {args.expected_response_fraction:g}", "on_demand_tuned", None),
+            ("  ... prompt blocks copied per sample", "copied_prompts", None),
             (f"paged, {budget / 2**20:.2f} MiB, reserved", "reserved", None)]
     for label, key, rss in rows:
         r = res[key]
@@ -199,6 +208,11 @@ def main() -> None:
               f"{reserved['seconds'] / demand['seconds']:.2f}x tokens/s ({demand['stats']['preemptions']} preemptions, "
               f"{demand['stats']['recomputed_tokens']} tokens prefilled again); caches within the budget: "
               f"{max(demand['cache_bytes'], reserved['cache_bytes']) <= budget}")
+    demand, copied = res["on_demand"], res["copied_prompts"]
+    print(f"at the same budget, prompt blocks shared vs copied per sample: "
+          f"{demand['stats']['peak_requests'] / copied['stats']['peak_requests']:.2f}x requests at once, "
+          f"{copied['seconds'] / demand['seconds']:.2f}x tokens/s ({demand['stats']['preemptions']} vs "
+          f"{copied['stats']['preemptions']} preemptions)")
     print(f"paged (all memory) vs static batches: {base / res['paged']['seconds']:.2f}x tokens/s")
 
 

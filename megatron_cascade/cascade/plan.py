@@ -532,7 +532,9 @@ class GenerationPlan:
 
     KV blocks are taken on demand: a sample holds the blocks of its tokens so far (plus, for a hybrid
     model, one conv + SSM state slot), so how many decode at once depends on how long responses
-    get; the plan takes them at ``rollout.expected_response_fraction`` of ``max_new_tokens``.
+    get; the plan takes them at ``rollout.expected_response_fraction`` of ``max_new_tokens``. The
+    ``samples_per_prompt`` samples of a prompt share its full blocks (``rollout/block_allocator.py``):
+    a sample's figures count its share of them.
     """
 
     kv_cache: float  # KV blocks (at most every local sample at its longest, + the dummy) + Mamba state slots
@@ -540,11 +542,16 @@ class GenerationPlan:
     concurrent: int  # local samples decoding at once, at their expected length
     samples: int  # local samples of a step (one model replica's)
     gpus: int  # GPUs of one model replica (TP x PP x CP): they decode its samples together
-    expected_kv: float  # one sample's KV blocks at its expected length
+    expected_kv: float  # one sample's KV blocks at its expected length (its share of the prompt's)
     worst_kv: float  # ... at its longest (prompt + max_new_tokens)
     state: float  # one sample's Mamba state slot (hybrid models; 0 otherwise)
     capacity: int  # samples the cache holds at once at their expected length (whatever a step has)
     stages_in_series: int = 1  # pipeline stages that decode one after another (the training layout's PP)
+    group: int = 1  # samples per prompt: they share the prompt's full blocks
+
+    @property
+    def prompt_sharing(self) -> str:
+        return f" (prompt shared by {self.group})" if self.group > 1 else ""
 
     @property
     def concurrent_per_gpu(self) -> float:
@@ -573,22 +580,28 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     longest = min(prompt + r.max_new_tokens, m.max_position_embeddings)
     expected_len = min(prompt + math.ceil(r.expected_response_fraction * r.max_new_tokens), longest)
     block = r.kv_block_size_tokens * kv_bytes_per_token(m, layout)
-    worst = math.ceil(longest / r.kv_block_size_tokens) * block
-    expected = math.ceil(expected_len / r.kv_block_size_tokens) * block
+    group = stage.samples_per_prompt
+    shared = prompt // r.kv_block_size_tokens if group > 1 else 0  # the prompt's full blocks, held once per group
+
+    def per_sample(tokens: int) -> float:  # blocks of one sample of ``tokens`` tokens, its share of the prompt's
+        return (math.ceil(tokens / r.kv_block_size_tokens) - shared + shared / group) * block
+
+    worst, expected = per_sample(longest), per_sample(expected_len)
+    alone = math.ceil(longest / r.kv_block_size_tokens) * block  # a sample without its group (e.g. preempted)
     state = mamba_state_bytes_per_sample(m, layout)
     budget = r.kv_cache_bytes if r.kv_cache_bytes is not None else r.kv_cache_fraction * free_bytes
-    one = worst + block + state  # one sample at its longest, its state slot and Megatron's dummy block
+    one = alone + block + state  # one sample at its longest, its state slot and Megatron's dummy block
     if budget < one and r.kv_cache_bytes is None and free_bytes <= 0:
         budget = one  # the static state alone overflows (the plan warns): plan one sample
     if budget < one:
         key = "rollout.kv_cache_bytes" if r.kv_cache_bytes is not None else "rollout.kv_cache_fraction"
         with_state = f" + {state / GIB:.2f} GiB of Mamba state" if state else ""
         raise ConfigError(f"stage {stage.name}: the KV cache budget ({budget / GIB:.1f} GiB from {key}) cannot hold "
-                          f"one sample of {prompt} + {r.max_new_tokens} tokens ({worst / GIB:.2f} GiB per GPU"
+                          f"one sample of {prompt} + {r.max_new_tokens} tokens ({alone / GIB:.2f} GiB per GPU"
                           f"{with_state}): raise it, lower rollout.max_new_tokens / data.max_prompt_tokens, or split "
                           "the KV heads over more TP ranks / the layers over more PP stages")
     slots = max(1, min(samples, int(budget // (state + expected)))) if state else samples
-    blocks = min(int((budget - slots * state) // block) - 1, samples * math.ceil(longest / r.kv_block_size_tokens))
+    blocks = min(int((budget - slots * state) // block) - 1, math.ceil(samples * worst / block))
     capacity = int((budget - block) // (expected + state))
     concurrent = min(samples, slots, blocks * block // expected)
     tokens = max(16384, longest + concurrent)
@@ -600,7 +613,7 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     step += (_DTYPE_BYTES[m.precision] + 4) * concurrent * m.padded_vocab_size  # gathered logits, sampled in fp32
     return GenerationPlan(kv_cache=(blocks + 1) * block + slots * state, step=step, concurrent=int(concurrent),
                           samples=samples, gpus=layout.tp * layout.pp * layout.cp, expected_kv=expected,
-                          worst_kv=worst, state=state, capacity=capacity, stages_in_series=layout.pp)
+                          worst_kv=worst, state=state, capacity=capacity, stages_in_series=layout.pp, group=group)
 
 
 # -- one stage's plan -------------------------------------------------------------------------------------
@@ -672,7 +685,8 @@ def _concurrency(mem: StageMemory) -> str:
         return ""
     mib = 2**20
     state = f" + state {gen.state / mib:.0f}" if gen.state else ""
-    return (f"; per sample {gen.expected_kv / mib:.0f} MiB expected / {gen.worst_kv / mib:.0f} worst{state}; "
+    return (f"; per sample {gen.expected_kv / mib:.0f} MiB expected / {gen.worst_kv / mib:.0f} worst"
+            f"{gen.prompt_sharing}{state}; "
             f"{gen.concurrent} of {gen.samples} samples at once = {gen.concurrent_per_gpu:.1f}/GPU, "
             f"room for {gen.capacity_per_gpu:.0f}/GPU{_in_series(gen)}")
 

@@ -4,9 +4,11 @@
   characters (a command-line override of that shape took 98 s to load, x10 per level). Every file and
   every override is composed first and refused past ``MAX_YAML_NODES`` nodes once aliases are expanded
   (a real config has a few hundred); an override is also refused past ``MAX_OVERRIDE_CHARS``.
-* **Includes.** ``defaults: [...]`` may name files inside the top-level config's folder, or inside a
-  folder the operator lists in ``$MEGATRON_CASCADE_CONFIG_INCLUDE_DIRS`` (``os.pathsep``-separated) —
-  never ``/``-absolute or ``../`` paths elsewhere on the machine on a recipe's say-so.
+* **Includes.** ``defaults: [...]`` may name files inside the top-level config's folder, inside the
+  recipes shipped with this package (``examples/`` of the checkout: as trusted as its code; the
+  Nemotron-3-Nano recipe includes ``../base.yaml``), or inside a folder the operator lists in
+  ``$MEGATRON_CASCADE_CONFIG_INCLUDE_DIRS`` (``os.pathsep``-separated) — never ``/``-absolute or
+  ``../`` paths elsewhere on the machine on a recipe's say-so.
 * **Resolvers.** OmegaConf's ``${oc.env:VAR}`` reads the environment when the config is resolved: a
   shared recipe could send ``HF_TOKEN`` to a reward server and record it in the run folder's
   ``config.yaml``. Only variables the operator lists in ``$MEGATRON_CASCADE_CONFIG_ENV`` (comma-separated)
@@ -29,6 +31,8 @@ MAX_YAML_NODES = 20_000
 MAX_OVERRIDE_CHARS = 65_536
 CONFIG_INCLUDE_DIRS_VAR = "MEGATRON_CASCADE_CONFIG_INCLUDE_DIRS"
 CONFIG_ENV_VAR = "MEGATRON_CASCADE_CONFIG_ENV"
+SHIPPED_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))),
+                               "examples")
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
 _RESOLVER = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*:([^}]*)\}?")
 
@@ -80,11 +84,12 @@ def parse_override_value(item: str, text: str) -> Any:
 
 def include_path(includer: str, include: Any, top_folder: str) -> str:
     """The file a ``defaults`` entry of ``includer`` names (relative to the includer's folder), if it
-    lies inside ``top_folder`` or a folder listed in ``$MEGATRON_CASCADE_CONFIG_INCLUDE_DIRS``."""
+    lies inside ``top_folder``, the shipped recipes or a folder listed in
+    ``$MEGATRON_CASCADE_CONFIG_INCLUDE_DIRS``."""
     if not isinstance(include, str) or not include:
         raise ConfigError(f"{includer}: 'defaults' entries must be file names, got {include!r}")
     path = os.path.realpath(os.path.join(os.path.dirname(includer), include))
-    allowed = [os.path.realpath(top_folder)] + [
+    allowed = [os.path.realpath(top_folder), SHIPPED_RECIPES] + [
         os.path.realpath(d) for d in os.environ.get(CONFIG_INCLUDE_DIRS_VAR, "").split(os.pathsep) if d]
     if not any(os.path.commonpath([path, folder]) == folder for folder in allowed):
         raise ConfigError(f"{includer}: 'defaults' entry {include!r} is outside the config's folder "

@@ -8,13 +8,14 @@ of new prompts and one decode token per older request, mixed); sample one token 
 hand finished samples to ``on_finished``; then let the context release their blocks.
 
 A prompt's ``n`` samples share one prefill: the prompt enters as one request, its logits give the
-first token of each sample admitted with it, and the context forks the request into copies of its
-KV blocks (``PagedContext.fork``) before the step's bookkeeping.
+first token of each sample admitted with it, and the context forks the request before the step's
+bookkeeping (``PagedContext.fork``): the samples share the prompt's full KV blocks and each gets a
+copy of the partly filled last one (``KVCacheConfig.share_prompt_blocks``).
 
 Memory (KV on demand): blocks are taken one at a time as a response grows. A request is admitted
 when the free blocks, less those the live requests still need to reach their expected length
 (``KVCacheConfig.expected_response_fraction`` of their response budget), hold it at its expected
-length (every sample admitted with a prompt counts, for the forks). When a step's requests need
+length (every sample admitted with a prompt counts, the prompt's shared blocks once). When a step's requests need
 more new blocks than are free (responses longer than expected), the most recently admitted
 requests are preempted (vLLM's recompute policy): their blocks are freed and they go back to the
 front of the queue with their tokens so far, to be prefilled again from prompt + response when
@@ -107,6 +108,7 @@ class PagedGenerator:
                                  dtype=torch.int64, device=self.device)
         self.queue: deque[list[int]] = deque(_groups(samples))
         self.reserve_full_response = kv_cache.reserve_full_response
+        self.share_prompt_blocks = kv_cache.share_prompt_blocks
         self.cuda_graphs = kv_cache.cuda_graphs
         # Every step's tokens padded to a multiple of it: TP (SP-split MoE layers), FP8 GEMMs (TE needs 8).
         self.token_multiple = step_token_multiple(self.forward.gpt, self.groups)
@@ -127,9 +129,12 @@ class PagedGenerator:
         # Blocks of each sample at its expected length: what admission keeps free for it to grow into.
         self.expected = [layout.blocks_for(len(s.prompt_ids) + math.ceil(kv_cache.expected_response_fraction * b))
                          for s, b in zip(self.samples, self.budgets)]
-        capacity = cache_capacity(kv_cache, layout, self.device, self.groups, needed=sum(self.reserve),
+        # Blocks a prompt's forks share with it (its full blocks): held once per group, not per sample.
+        shared = sum((len(group) - 1) * self._shared_blocks(len(self.samples[group[0]].prompt_ids))
+                     for group in self.queue)
+        capacity = cache_capacity(kv_cache, layout, self.device, self.groups, needed=sum(self.reserve) - shared,
                                   largest=max(self.reserve), requests=len(self.samples),
-                                  expected_blocks=math.ceil(sum(self.expected) / len(self.expected)))
+                                  expected_blocks=math.ceil((sum(self.expected) - shared) / len(self.expected)))
         usable = capacity.blocks
         lanes = self._lane_count(usable, max(self.reserve))
         # A preempted request is prefilled again from prompt + response: the step must hold the longest.
@@ -141,9 +146,14 @@ class PagedGenerator:
             max_tokens = max(_MAX_TOKENS_PER_STEP, longest + max_requests)
             # Both padded to multiples of the TP size (sequence-parallel MoE layers split the step).
             ctx = build_context(self.forward.gpt, layout, self.groups, share, _round_up(max_requests, multiple),
-                                _round_up(max_tokens, multiple), max(lengths), kv_cache.cuda_graphs, multiple)
+                                _round_up(max_tokens, multiple), max(lengths), kv_cache.cuda_graphs, multiple,
+                                share_prompt_blocks=self.share_prompt_blocks)
             self.lanes.append(_Lane(ctx, share))
             self.stats.kv_cache_bytes += cache_bytes(ctx)
+
+    def _shared_blocks(self, prompt_tokens: int) -> int:
+        """Blocks each fork of a prompt of ``prompt_tokens`` tokens shares with it (``PagedContext.fork``)."""
+        return prompt_tokens // self.layout.block_size_tokens if self.share_prompt_blocks else 0
 
     def _lane_count(self, usable: int, largest: int) -> int:
         """One lane per pipeline stage when overlap is asked for and possible: PP > 1, at least two
@@ -241,9 +251,10 @@ class PagedGenerator:
 
         A waiting group is a prompt's samples (one prefill, then forks) or one preempted sample
         (prefilled again from its prompt + response so far). On demand, each sample admitted needs
-        the blocks of its expected length (at least its tokens so far plus the next one) out of the
-        free blocks less those promised to the live requests up to their expected lengths; with
-        ``reserve_full_response``, the blocks of its whole budget, held until it finishes.
+        the blocks of its expected length (at least its tokens so far plus the next one), less the
+        prompt blocks it shares with the first (counted once), out of the free blocks less those
+        promised to the live requests up to their expected lengths; with ``reserve_full_response``,
+        the blocks of its whole budget, held until it finishes.
         """
         from megatron.core.inference.inference_request import DynamicInferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
@@ -265,7 +276,9 @@ class PagedGenerator:
                 fits = (lane.usable - lane.reserved) // self.reserve[first]
             else:
                 need = max(self.layout.blocks_for(len(tokens) + 1), self.expected[first])
-                fits = (ctx.block_allocator.total_avail - promised) // need
+                shared = self._shared_blocks(len(tokens)) if len(group) > 1 else 0
+                room = ctx.block_allocator.total_avail - promised
+                fits = 0 if room < need else 1 + (room - need) // (need - shared)
             take = min(len(group), slots, fits)
             if take <= 0:  # promised blocks can exceed the free ones (live requests growing): none fits
                 return
@@ -288,7 +301,8 @@ class PagedGenerator:
             lane.forks[first] = admitted[1:]
             pending_forks += take - 1
             if not self.reserve_full_response:
-                promised += (take - 1) * self.layout.blocks_for(len(tokens)) + sum(self._growth(i) for i in admitted)
+                forked = self.layout.blocks_for(len(tokens)) - shared  # blocks each fork copies in ``_apply``
+                promised += (take - 1) * forked + sum(self._growth(i) for i in admitted)
 
     def _growth(self, index: int) -> int:
         """Blocks sample ``index`` still needs to reach its expected length (0 once past it)."""
@@ -343,10 +357,14 @@ class PagedGenerator:
         live = [rid for rid in bookkeeping if rid not in finished]
         if not live:
             return set()
-        counts = ctx.request_kv_block_counts[:len(bookkeeping)].tolist()
         filled = (ctx.request_last_kv_block_offset[:len(bookkeeping)] == ctx.block_size_tokens - 1).tolist()
-        blocks, full = dict(zip(bookkeeping, counts)), dict(zip(bookkeeping, filled))
-        free = ctx.block_allocator.total_avail + sum(blocks[rid] for rid in finished)
+        full = dict(zip(bookkeeping, filled))
+        index = {rid: ctx.paused_request_count + i for i, rid in enumerate(bookkeeping)}
+
+        def free_after(released: list[int]) -> int:  # a shared prompt block frees with its last holder only
+            return ctx.block_allocator.total_avail + ctx.blocks_freed_by([index[rid] for rid in released])
+
+        free = free_after(list(finished))
         need = sum(full[rid] for rid in live)
         victims: list[int] = []
         for rid in sorted(live, key=lambda r: (lane.admitted[r], r), reverse=True):
@@ -355,8 +373,8 @@ class PagedGenerator:
             if len(victims) == len(live) - 1:
                 raise RuntimeError("generate: the oldest request cannot grow (the budget check should prevent it)")
             victims.append(rid)
-            free += blocks[rid]
             need -= full[rid]
+            free = free_after(list(finished) + victims)
         for rid in victims:  # newest first, so the oldest victim ends up first in the queue
             del lane.admitted[rid]
             self.queue.appendleft([rid])

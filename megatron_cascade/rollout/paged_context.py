@@ -1,5 +1,6 @@
 """Megatron-Core's ``DynamicInferenceContext`` (paged KV blocks, packed requests), as ``generate``
-drives it, plus the one operation it lacks: forking a prefilled request into its sibling samples.
+drives it, plus the one operation it lacks: forking a prefilled request into its sibling samples,
+which share the prompt's full KV blocks (``block_allocator.SharedBlockAllocator``).
 
 The context holds the block-level KV buffer ``[2, layers, blocks, block_size, kv_heads, head_dim]``
 and per-request bookkeeping tensors laid out ``[paused | active | free]``; Megatron's attention
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
+from megatron_cascade.rollout.block_allocator import SharedBlockAllocator
 from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.kv_budget import KVLayout
 
@@ -34,11 +36,23 @@ class PagedContext(DynamicInferenceContext):
     TOKEN_ROUNDER = 1
     REQUEST_ROUNDER = 1
 
+    def __init__(self, *args, share_prompt_blocks: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.share_prompt_blocks = share_prompt_blocks
+        allocator = self.block_allocator  # nothing allocated yet: same pool, holder counts added
+        self.block_allocator = SharedBlockAllocator(self, allocator.total_count, allocator.paused_count)
+
+    def shared_fork_blocks(self, prompt_tokens: int) -> int:
+        """Blocks a fork of a request of ``prompt_tokens`` tokens shares with it instead of copying:
+        its full blocks (the partly filled last one is copied)."""
+        return prompt_tokens // self.block_size_tokens if self.share_prompt_blocks else 0
+
     def fork(self, parent_index: int, child_request_id: int) -> None:
         """Append a copy of the request at bookkeeping index ``parent_index`` (a prompt just
-        prefilled in this step, before ``update_requests``) under ``child_request_id``: new blocks
-        holding a copy of its KV (and a state slot holding a copy of its Mamba states), the same
-        lengths and sampling metadata.
+        prefilled in this step, before ``update_requests``) under ``child_request_id``: the parent's
+        full KV blocks shared, a new block holding a copy of the partly filled last one (every block
+        copied with ``share_prompt_blocks=False``), a state slot holding a copy of its Mamba states,
+        the same lengths and sampling metadata.
 
         ``update_requests`` then advances the copy exactly like its parent, so the copy decodes
         from the parent's prompt without a prefill of its own.
@@ -47,11 +61,15 @@ class PagedContext(DynamicInferenceContext):
         if child >= self.max_requests:
             raise RuntimeError(f"fork: {child} requests already fill max_requests={self.max_requests}")
         count = int(self.request_kv_block_counts[parent_index])
-        blocks = self.block_allocator.allocate_memory_blocks(count)
-        if blocks is None:
+        parent_blocks = self.request_to_kv_block_ids[parent_index, :count]
+        tokens = int(self.request_kv_length_offsets[parent_index] + self.request_query_lengths[parent_index])
+        shared = min(self.shared_fork_blocks(tokens), count)
+        copied = self.block_allocator.allocate_memory_blocks(count - shared) if count > shared else parent_blocks[:0]
+        if copied is None:
             raise RuntimeError("fork: no free KV blocks (the engine's reservation should prevent this)")
-        parent_blocks = self.request_to_kv_block_ids[parent_index, :count].long()
-        self.memory_buffer[:, :, blocks.long()] = self.memory_buffer[:, :, parent_blocks]
+        self.memory_buffer[:, :, copied.long()] = self.memory_buffer[:, :, parent_blocks[shared:].long()]
+        self.block_allocator.share(parent_blocks[:shared])
+        blocks = torch.cat([parent_blocks[:shared], copied.to(parent_blocks.dtype)])
         for tensor in (self.request_query_lengths, self.request_output_lengths, self.request_kv_length_offsets,
                        self.request_kv_block_counts, self.request_last_kv_block_offset,
                        *self.request_metadata.values()):
@@ -69,6 +87,13 @@ class PagedContext(DynamicInferenceContext):
             self.mamba_ssm_states[:, slot] = self.mamba_ssm_states[:, parent_slot]
             self.mamba_metadata.request_to_mamba_state_idx[child] = slot
         self.total_request_count += 1
+
+    def blocks_freed_by(self, request_indexes: list[int]) -> int:
+        """Blocks that would return to the pool if the requests at these bookkeeping indexes were
+        released together (a shared block only with its last holder)."""
+        tables = self.request_to_kv_block_ids[torch.tensor(request_indexes, dtype=torch.long,
+                                                            device=self.request_to_kv_block_ids.device)]
+        return self.block_allocator.blocks_freed_by(tables[tables != -1])
 
     def active_request_ids(self) -> list[int]:
         """Request ids in the order of this step's logits rows."""
@@ -103,7 +128,7 @@ def _context_class(token_multiple: int) -> type:
 
 def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups, blocks: int, max_requests: int,
                   max_tokens: int, max_sequence_length: int, cuda_graphs: Optional[int] = None,
-                  token_multiple: int = 1) -> PagedContext:
+                  token_multiple: int = 1, share_prompt_blocks: bool = True) -> PagedContext:
     """A context with exactly ``blocks`` usable blocks (plus Megatron's dummy block) and
     ``max_requests`` request slots, for this rank's stage ``gpt`` (a hybrid model's slots also hold
     each Mamba layer's conv and SSM state: Megatron's ``MambaInferenceStateConfig``).
@@ -111,6 +136,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
     ``cuda_graphs``: Megatron's ``num_cuda_graphs`` for decode-only steps (``KVCacheConfig.cuda_graphs``).
     ``token_multiple``: every step's token count is padded to a multiple of it (``step_token_multiple``;
     ``max_requests`` and ``max_tokens`` must be multiples of it).
+    ``share_prompt_blocks``: forks share their prompt's full blocks (``PagedContext.fork``).
 
     ``materialize_only_last_token_logits``: the output layer runs on each request's last token
     only (sampling needs nothing else; a prefill of P tokens does not compute P vocab rows).
@@ -135,6 +161,7 @@ def build_context(gpt: torch.nn.Module, layout: KVLayout, groups: ReplicaGroups,
         use_cuda_graphs_for_non_decode_steps=False,
         unified_memory_level=0,
         pg_collection=gpt.pg_collection,
+        share_prompt_blocks=share_prompt_blocks,
     )
     if ctx.block_allocator.total_count != blocks + 1:
         raise RuntimeError(f"context has {ctx.block_allocator.total_count} blocks, wanted {blocks + 1}")

@@ -82,6 +82,9 @@ class KVCacheConfig:
             held until it finishes (no preemption ever; the baseline of ``benchmarks/generation.py``).
             False (default): blocks are taken as tokens are generated, and requests are preempted
             and recomputed when the pool runs out (``engine.py``); same tokens either way.
+        share_prompt_blocks: a prompt's samples share its full KV blocks (one copy of the prompt's
+            KV per group, not one per sample; ``block_allocator.py``). False: each sample gets a
+            copy (the baseline of ``benchmarks/generation.py``); same tokens either way.
 
     Requests that do not fit wait until blocks free up; one that can never fit (its prompt plus its
     response budget needs more blocks than the whole budget) is refused with a ValueError naming
@@ -94,6 +97,7 @@ class KVCacheConfig:
     expected_response_fraction: float = 0.5
     cuda_graphs: Optional[int] = None
     reserve_full_response: bool = False
+    share_prompt_blocks: bool = True
 
     @classmethod
     def from_rollout(cls, rollout) -> "KVCacheConfig":

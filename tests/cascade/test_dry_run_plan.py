@@ -161,10 +161,11 @@ def test_plan_counts_kv_cache_frozen_models_and_warns_on_overflow(tmp_path):
     stage = resolve_stage(cfg, cfg.stages[0])
     plan = stage_memory(cfg, layout, stage)
     # K and V, 4 layers, 4 heads x 16, bf16 per token; 4 prompts x 2 samples over DP=4: 2 local samples
-    # of 64 + 64 tokens = 8 blocks of 16 each, plus Megatron's dummy block (the budget is far larger).
+    # of 64 + 64 tokens = 8 blocks of 16 each, the prompt's 4 shared by both: 12 blocks, plus Megatron's
+    # dummy block (the budget is far larger).
     per_token = 2 * 4 * 4 * 16 * 2
     assert kv_bytes_per_token(cfg.model, layout) == per_token
-    assert plan.kv_cache * 2**30 == pytest.approx((2 * 8 + 1) * 16 * per_token)
+    assert plan.kv_cache * 2**30 == pytest.approx((2 * 4 + 4 + 1) * 16 * per_token)
     assert plan.generation_plan.concurrent == 2 and "2 of 2 samples at once = 2.0/GPU" in describe_plan(cfg)
     assert plan.frozen > 0  # the KL reference
     assert "WARNING" not in describe_plan(cfg)
@@ -173,18 +174,20 @@ def test_plan_counts_kv_cache_frozen_models_and_warns_on_overflow(tmp_path):
 
 
 def test_kv_budget_caps_the_cache_and_the_samples_running_at_once(tmp_path):
-    # One sample: 128 tokens = 8 blocks of 16 at its longest, 96 (64 + half of 64) = 6 blocks expected. A
-    # budget of 3.5 samples at their longest (28 blocks, one of them the dummy) runs 27 // 6 = 4 at once
-    # (KV on demand; worst-case reservation ran 3) and allocates the budget.
+    # One sample: 128 tokens = 8 blocks of 16 at its longest, 96 (64 + half of 64) = 6 blocks expected, of
+    # which the prompt's 4 are shared by the prompt's 4 samples: 8 - 4 + 1 = 5 blocks worst, 3 expected. A
+    # budget of 3.5 samples at their longest alone (28 blocks, one of them the dummy) runs 27 // 3 = 9 at
+    # once (27 // 6 = 4 with a copy of the prompt per sample; worst-case reservation ran 3) and
+    # allocates the budget.
     per_sample = 8 * 16 * 2 * 4 * 4 * 16 * 2
     cfg = small_config(tmp_path, "rollout.max_new_tokens=64", "data.max_prompt_tokens=64",
                        "rollout.kv_block_size_tokens=16", f"rollout.kv_cache_bytes={int(3.5 * per_sample)}",
                        "stages.rl.prompts_per_step=32", "stages.rl.samples_per_prompt=4")
     layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
     gen = generation_plan(cfg, layout, resolve_stage(cfg, cfg.stages[0]), free_bytes=80 * 2**30)
-    assert (gen.samples, gen.concurrent, gen.capacity) == (32, 4, 4)
+    assert (gen.samples, gen.concurrent, gen.capacity) == (32, 9, 9)
     assert gen.kv_cache == int(3.5 * per_sample)
-    assert (gen.worst_kv, gen.expected_kv) == (per_sample, 6 * per_sample // 8)
+    assert (gen.worst_kv, gen.expected_kv) == (5 * per_sample // 8, 3 * per_sample // 8)
     # Without a byte budget: kv_cache_fraction of the free memory, here more than all samples need.
     cfg = small_config(tmp_path, "rollout.max_new_tokens=64", "data.max_prompt_tokens=64",
                        "rollout.kv_block_size_tokens=16")

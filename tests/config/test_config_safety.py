@@ -61,10 +61,27 @@ def test_includes_stay_in_the_config_folder_unless_the_operator_allows_another(t
     path.write_text(f"defaults: [{include}]\n")
     with pytest.raises(ConfigError, match="outside the config's folder"):
         load_config(str(path), check_paths=False)
-    path.write_text(f"defaults: [{CI}]\n")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("ci.yaml", "cascade.yaml"):
+        (shared / name).write_text((EXAMPLES / name).read_text())
+    path.write_text(f"defaults: [{shared / 'ci.yaml'}]\n")
     with pytest.raises(ConfigError, match=CONFIG_INCLUDE_DIRS_VAR):
         load_config(str(path), check_paths=False)
-    monkeypatch.setenv(CONFIG_INCLUDE_DIRS_VAR, str(EXAMPLES))
+    monkeypatch.setenv(CONFIG_INCLUDE_DIRS_VAR, str(shared))
+    assert load_config(str(path), check_paths=False).seed == load_config(str(CI), check_paths=False).seed
+
+
+def test_the_shipped_recipes_include_each_other_without_an_allowance(tmp_path, monkeypatch):
+    """Before: examples/nemotron_cascade2/nemotron_3_nano/cascade.yaml (``../base.yaml``) was refused unless
+    the operator listed the examples folder, and the tests hid it by listing it for every test. The
+    shipped recipes are as trusted as the code; a recipe elsewhere still cannot include them by ``..``
+    into other folders."""
+    monkeypatch.delenv(CONFIG_INCLUDE_DIRS_VAR, raising=False)
+    nano = EXAMPLES.parent / "nemotron_cascade2" / "nemotron_3_nano" / "cascade.yaml"
+    assert load_config(str(nano), check_paths=False).model.architecture == "hybrid"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"defaults: [{CI}]\n")  # a user's recipe on top of a shipped one
     assert load_config(str(path), check_paths=False).seed == load_config(str(CI), check_paths=False).seed
 
 

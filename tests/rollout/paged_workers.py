@@ -225,3 +225,40 @@ def long_tail_worker(weights_dir: str, block_tokens: int, fraction_of_need: floa
         out[name] = [s.response_ids for s in batch]
         out[f"{name}_stats"] = vars(batch.stats)
     return out
+
+
+def shared_prompt_worker(weights_dir: str, save: bool = False) -> dict:
+    """Long prompts x 4 samples under a budget of about two copied samples: prompt blocks shared
+    (the default) vs copied per sample, against an unlimited budget; every context's blocks counted
+    back when its call ends."""
+    import torch
+
+    from megatron_cascade.rollout import SamplingParams, engine
+    from megatron_cascade.rollout.kv_budget import kv_layout
+
+    model = _setup(ParallelConfig(), weights_dir, save=save)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, TOKENIZER.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(40, 64, (4,), generator=gen)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=5, stop_token_ids=(17, 42, 50),
+                            ignore_eos=True)
+    layout = kv_layout(model, 8, tp=1)
+    out = {"full": [s.response_ids for s in generate(model, prompts, params, tokenizer=TOKENIZER)],
+           "prompt_lengths": [len(p) for p in prompts]}
+    for name, share in (("shared", True), ("copied", False)):
+        contexts = []
+
+        def recording(*args, **kwargs):
+            contexts.append(build(*args, **kwargs))
+            return contexts[-1]
+
+        build = engine.build_context
+        with mock.patch.object(engine, "build_context", side_effect=recording):
+            batch = generate(model, prompts, params, tokenizer=TOKENIZER,
+                             kv_cache=KVCacheConfig(kv_cache_bytes=24 * layout.block_bytes, block_size_tokens=8,
+                                                    share_prompt_blocks=share))
+        out[name] = [s.response_ids for s in batch]
+        out[f"{name}_stats"] = vars(batch.stats)
+        allocators = [ctx.block_allocator for ctx in contexts]
+        out[f"{name}_returned"] = [(a.total_avail, a.total_count - 1, int(a.holders.sum())) for a in allocators]
+    return out

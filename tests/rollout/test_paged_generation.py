@@ -166,3 +166,21 @@ def test_moe_tensor_and_sequence_parallel_match_one_process(moe_ref, parallel):
         assert got["sequence_parallel_restored"]
         before, after = got["sequence_parallel_state"]
         assert after == before, [(x, y) for x, y in zip(before, after) if x != y]
+
+
+def test_samples_share_their_prompt_blocks(ref):
+    """4 prompts of 40-63 tokens x 4 samples in 23 blocks of 8 tokens (one sample at its longest needs
+    11): with the prompt's full blocks shared, a group costs its prompt once, so more samples decode at
+    once than with a copy per sample; preemptions free a shared block only with its last holder; the
+    tokens are those of an unlimited budget either way, and every block is back in the pool (no
+    holder left) when the call ends."""
+    from paged_workers import shared_prompt_worker
+
+    got = run_distributed(shared_prompt_worker, 1, ref["weights_dir"])[0]
+    assert got["shared"] == got["full"] and got["copied"] == got["full"]
+    shared, copied = got["shared_stats"], got["copied_stats"]
+    assert shared["peak_requests"] > copied["peak_requests"], (shared, copied)
+    assert shared["preemptions"] > 0, shared
+    for name in ("shared", "copied"):
+        for free, total, holders in got[f"{name}_returned"]:
+            assert (free, holders) == (total, 0), got[f"{name}_returned"]
