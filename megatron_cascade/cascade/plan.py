@@ -214,13 +214,6 @@ def check_decode_layout(cfg: RunConfig, stage: ResolvedStage, world_size: int) -
     if decode is None:
         return None
     m = cfg.model
-    if (m.architecture == "hybrid" and "M" in (m.hybrid.layer_pattern or "")
-            and decode.tensor_model_parallel_size != cfg.parallel.tensor_model_parallel_size):
-        raise ConfigError(
-            f"stage {stage.name}: rollout.parallel.tensor_model_parallel_size={decode.tensor_model_parallel_size} "
-            f"differs from parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}: a Mamba "
-            "layer's in_proj and conv1d hold several parts, each split over TP on its own, which megatron-core's "
-            "in-memory resharding cuts as one tensor; decode at the training TP (PP, CP and EP may differ)")
     if stage.rollout.cuda_graphs is not None and not _has_graphable_layers(m):
         raise ConfigError(
             f"stage {stage.name}: rollout.cuda_graphs={stage.rollout.cuda_graphs}: every layer of this model holds a "

@@ -8,11 +8,8 @@ precision, and generation runs on it (``rollout/`` reads the groups from the mod
 megatron-core's ``megatron.core.resharding.swap_model_weights`` (a plan built once, then point to
 point copies: gloo on CPU, NCCL on GPU), never a checkpoint on disk, plus what it leaves out:
 
-* parameters of the local MoE spec (``SequentialMLP``, ``...experts.local_experts.<K>...``) keep
-  their local expert index in megatron-core 0.16.1's names (only the grouped-GEMM ``weight<K>`` names
-  are globalised): every EP rank's expert K would be one replicated parameter (experts 2, 3 received
-  experts 0, 1). ``_patch_local_expert_names`` gives them their global index and the expert
-  data-parallel group as replicas (``../shared/notes/resharding_refit.md``);
+* the planner's names of local-spec experts and its cut of a Mamba mixer's multi-part parameters
+  (``training/reshard_patches.py``);
 * persistent buffers (the router's ``expert_bias``) are not copied by megatron-core: copied here;
 * dtypes are not compared by megatron-core (a bf16 policy into an fp32 copy gave NaN logits):
   refused here before the first refit;
@@ -22,7 +19,6 @@ point copies: gloo on CPU, NCCL on GPU), never a checkpoint on disk, plus what i
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Optional
 
@@ -36,9 +32,7 @@ from megatron_cascade.model.parallel import Layout, build_decode_process_groups
 from megatron_cascade.rollout.cuda_graphs import graph_decode_steps_only
 from megatron_cascade.rollout.groups import GenerationReplica
 from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
-
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
+from megatron_cascade.training.reshard_patches import patch_resharding, tag_tp_parts
 
 class DecodeCopy:
     """The inference-only copy of the policy at ``decode``'s layout; collective to build and refit.
@@ -54,7 +48,7 @@ class DecodeCopy:
 
     def __init__(self, model_cfg: ModelConfig, decode: DecodeParallelConfig, *,
                  timeout_minutes: Optional[float] = None, cuda_graphs: bool = False) -> None:
-        _patch_local_expert_names()
+        patch_resharding()
         parallel = decode.as_parallel()
         self.layout: Layout = resolve_layout(model_cfg, parallel, dist.get_world_size(), check_this_machine=False,
                                              prefix="rollout.parallel.")
@@ -108,6 +102,8 @@ class DecodeCopy:
         if not self._checked:
             _check_dtypes(unwrap(source), unwrap(self.module))
             self._checked = True
+        for module in (unwrap(source), unwrap(self.module)):  # before megatron-core plans (and caches) the copy
+            tag_tp_parts(module)
         with torch.no_grad():
             swap_model_weights(source, self.module, "nccl" if torch.cuda.is_available() else "gloo")
             _copy_persistent_buffers(unwrap(source), unwrap(self.module))
@@ -150,34 +146,3 @@ def _global_name(module: torch.nn.Module, name: str) -> str:
 
     cache = module.__dict__.setdefault("_mc_layer_prefix_map", _build_layer_module_prefix_map(module))
     return _resolve_global_layer_number_in_name(name, cache)
-
-
-def _patch_local_expert_names() -> None:
-    """megatron-core 0.16.1's resharding planner: local-spec expert parameters get their global
-    expert index and the expert data-parallel group as replicas (see the module docstring).
-    Idempotent; megatron-core's own grouped-GEMM names are left as they are."""
-    from megatron.core.resharding import planner
-
-    original = planner.extract_param_metadata
-    if getattr(original, "_megatron_cascade", False):
-        return
-
-    def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
-                               layer_module_prefix_map=None):
-        meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
-                        layer_module_prefix_map=layer_module_prefix_map)
-        if not meta.is_ep:
-            return meta
-        expt_dp = getattr(pg_collection, "expt_dp", None)
-        if expt_dp is not None:
-            meta.data_parallel_group_ranks = dist.get_process_group_ranks(expt_dp)
-        match = _LOCAL_EXPERT.search(meta.resolved_name or param_name)
-        if match and num_experts:
-            ep_ranks = meta.expert_parallel_group_ranks
-            index = ep_ranks.index(owner_rank) * (num_experts // len(ep_ranks)) + int(match.group(1))
-            meta.global_expert_index = index
-            meta.resolved_name = _LOCAL_EXPERT.sub(f".local_experts.{index}.", meta.resolved_name or param_name, 1)
-        return meta
-
-    extract_param_metadata._megatron_cascade = True
-    planner.extract_param_metadata = extract_param_metadata

@@ -50,11 +50,6 @@ REFUSED = {
                                        "rollout.parallel.expert_model_parallel_size=3"),
     "decode_ep_without_moe": (["rollout.parallel.expert_model_parallel_size=2"], False,
                               "rollout.parallel.expert_model_parallel_size=2"),
-    "decode_tp_change_of_mamba_layers": (["model.architecture=hybrid", "model.hybrid.layer_pattern=M*M*",
-                                          "model.hybrid.mamba_head_dim=16", "model.hybrid.mamba_num_groups=2",
-                                          "model.position_embedding_type=none", "parallel.tensor_model_parallel_size=2",
-                                          "rollout.parallel.tensor_model_parallel_size=1"], False,
-                                         "rollout.parallel.tensor_model_parallel_size=1"),
     "cuda_graphs_every_layer_moe": ([*MOE, "rollout.parallel.tensor_model_parallel_size=1", "rollout.cuda_graphs=4"],
                                     False, "rollout.cuda_graphs=4"),
     "kv_budget_below_one_sample": (["rollout.kv_cache_bytes=1000"], False, "rollout.kv_cache_bytes"),
@@ -87,6 +82,19 @@ def test_context_parallel_trains_where_a_decode_layout_generates(tmp_path):
     out = describe_plan(small_config(tmp_path, "parallel.context_parallel_size=2",
                                      "rollout.parallel.tensor_model_parallel_size=1"))
     assert "layout: TP=1 PP=1 CP=2" in out and "decode layout: TP=1 EP=1 ETP=1 DP=4" in out
+
+
+def test_mamba_layers_decode_at_another_tensor_parallel_size(tmp_path):
+    """Before: a decode TP other than the training TP was refused for Mamba layers (megatron-core's
+    resharding cut their multi-part in_proj / conv1d as one tensor); training/reshard_patches.py
+    plans them part by part (tests/training/test_decode_copy.py: TP=2 -> TP=1 tokens and weights)."""
+    hybrid = ["model.architecture=hybrid", "model.hybrid.layer_pattern=M*M*", "model.hybrid.mamba_head_dim=16",
+              "model.hybrid.mamba_num_groups=2", "model.position_embedding_type=none"]
+    out = describe_plan(small_config(tmp_path, *hybrid, "parallel.tensor_model_parallel_size=2",
+                                     "rollout.parallel.tensor_model_parallel_size=1"))
+    assert "decode layout: TP=1 EP=1 ETP=1 DP=4" in out
+    with pytest.raises(ConfigError, match="rollout.parallel.tensor_model_parallel_size=4"):  # 2 Mamba groups
+        describe_plan(small_config(tmp_path, *hybrid, "rollout.parallel.tensor_model_parallel_size=4"))
 
 
 def test_cuda_graphs_need_a_decode_copy_and_are_planned_on_it(tmp_path):

@@ -9,9 +9,9 @@ Four gloo processes train at one layout and decode at another; the reference is 
 * MoE, training EP=2 x DP=2 -> decode EP=2 across the other DP pairs (expert biases in the
   router, experts that differ per rank): tokens equal, and the copy's experts are the policy's;
 * hybrid Mamba / attention / MoE, training PP=2 -> decode TP=1 (a pipeline stage without attention
-  layers), and TP=2 (+SP) -> decode TP=2: tokens equal, weights equal after a step. (A TP change of a
-  Mamba layer is refused: its in_proj / conv1d hold five / three parts each split over TP on its own,
-  which megatron-core's resharding cuts as one tensor.)
+  layers), TP=2 (+SP) -> decode TP=2, and TP=2 (+SP) -> decode TP=1 (a Mamba layer's in_proj / conv1d
+  hold five / three parts, each split over TP on its own: ``training/reshard_patches.py``): tokens
+  equal, weights equal after a step.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _check_tokens(result, reference):
         _close(result[name][1], reference[name][1])
 
 
-@pytest.mark.parametrize("case", ["gpt-tp2pp2-to-tp1", "moe-ep2-to-ep2", "hybrid-pp2-to-tp1", "hybrid-tp2-to-tp2"])
+@pytest.mark.parametrize("case", ["gpt-tp2pp2-to-tp1", "moe-ep2-to-ep2", "hybrid-pp2-to-tp1", "hybrid-tp2-to-tp2",
+                                  "hybrid-tp2-to-tp1"])
 def test_decode_copy_generates_what_the_training_layout_does(tmp_path, case):
     model_cfg, train, decode, steps = {
         "gpt-tp2pp2-to-tp1": (GPT, ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
@@ -146,6 +147,8 @@ def test_decode_copy_generates_what_the_training_layout_does(tmp_path, case):
         "hybrid-pp2-to-tp1": (HYBRID, ParallelConfig(pipeline_model_parallel_size=2), DecodeParallelConfig(), 1),
         "hybrid-tp2-to-tp2": (HYBRID, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
                               DecodeParallelConfig(tensor_model_parallel_size=2), 1),
+        "hybrid-tp2-to-tp1": (HYBRID, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                              DecodeParallelConfig(), 1),
     }[case]
     weights = str(tmp_path / "w")
     reference = run_distributed(reference_worker, 1, model_cfg, weights)[0]
