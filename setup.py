@@ -31,6 +31,9 @@ setup(
         # flash-attn: the paged KV-cache kernels generation runs on GPU (megatron-core's dynamic
         # inference path asserts flash-attn >= 2.7.3 or FA3); it builds against the local CUDA toolkit.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.7.3"],
+        # The Mamba layers' CUDA kernels (hybrid models, Nemotron-3-Nano): megatron-core 0.16.1's dev
+        # extra's ranges. Both are CUDA source builds: pip install --no-build-isolation (scripts/install_gpu.sh).
+        "hybrid": ["mamba-ssm>=2.2,<2.4", "causal-conv1d>=1.5.3"],
     },
     entry_points={"console_scripts": ["megatron-cascade=megatron_cascade.cli:main"]},
 )

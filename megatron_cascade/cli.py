@@ -1,9 +1,10 @@
-"""Command line: ``megatron-cascade run|stages|eval|report|convert``.
+"""Command line: ``megatron-cascade run|stages|eval|report|doctor|convert``.
 
     megatron-cascade run CONFIG [key=value ...] [--stage NAME] [--dry-run] [--allow-config-change KEY[,KEY]]
     megatron-cascade stages CONFIG [key=value ...]        # <stage>\t<complete|partial|pending>
     megatron-cascade eval CONFIG [key=value ...] [--weights DIR]
     megatron-cascade report OUTPUT_DIR
+    megatron-cascade doctor [CONFIG [key=value ...]]      # versions, GPUs; what of CONFIG cannot run here
     megatron-cascade convert {hf-to-megatron,megatron-to-hf,reshard,nemo2-to-megatron,compare,inspect} ...
 
 Distributed runs take RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the launcher (torchrun, or
@@ -90,6 +91,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from megatron_cascade.doctor import run_doctor
+
+    return run_doctor(args.config, args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-cascade", description="Cascade RL and MOPD on Megatron-Core.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the stage x domain table and write report.png")
     report.add_argument("output_dir")
     report.set_defaults(func=_cmd_report)
+    doctor = sub.add_parser("doctor", help="print torch/CUDA/TE/flash-attn/Mamba/megatron-core versions and GPUs; "
+                                           "with a config, each of its features that will not run here (exit 1)")
+    doctor.add_argument("config", nargs="?", help="a run config (YAML) to check against this machine")
+    doctor.add_argument("overrides", nargs="*", help="key.sub=value, as for run")
+    doctor.set_defaults(func=_cmd_doctor)
     from megatron_cascade.convert.cli import register
 
     register(sub)

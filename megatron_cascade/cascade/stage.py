@@ -29,8 +29,8 @@ from megatron_cascade.stages import stage_class
 from megatron_cascade.stages.registry import stage_type
 from megatron_cascade.training import build_policy, optimize_on_batch
 from megatron_cascade.training.checkpoint import (
+    agreed_latest,
     load_training_checkpoint,
-    read_latest,
     save_final_weights,
     save_training_checkpoint,
 )
@@ -126,7 +126,7 @@ class StageRunner:
         if self.start_path is not None:
             load_policy_weights(self.policy, self.start_path)  # fp32 masters too, not only the model
         self.kind.setup()  # before a resume overwrites the policy: a KL reference is the stage's start
-        latest = read_latest(self.ckpt_root)
+        latest = agreed_latest(self.ckpt_root)  # rank 0's view: ranks on other nodes may lag
         first_step = 0
         if latest is not None:
             state = load_training_checkpoint(latest, self.policy)

@@ -57,6 +57,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# flash-attn 2's paged KV kernels take blocks of a multiple of this many tokens (flash-attn 3: any).
+FLASH_ATTN2_BLOCK_MULTIPLE = 256
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """How much memory the paged KV cache of ``generate`` may hold (per rank).

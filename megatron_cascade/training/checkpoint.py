@@ -313,6 +313,30 @@ def read_latest(root: str) -> Optional[str]:
     return found
 
 
+def agreed_latest(root: str) -> Optional[str]:
+    """``read_latest(root)`` as rank 0 sees it, on every rank (collective when distributed).
+
+    Each rank reading the files itself can disagree on a cluster file system (a ``latest`` rename
+    or a new folder not yet visible on every node): ranks would resume from different steps, or
+    some start over. Rank 0 decides and broadcasts; a rank that cannot see that checkpoint raises
+    ``CheckpointError`` on every rank (output_dir must be on a file system all nodes share).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return read_latest(root)
+    choice = [read_latest(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    latest = choice[0]
+    sees = [None] * dist.get_world_size()
+    dist.all_gather_object(sees, latest is None or _complete(latest))
+    blind = [rank for rank, ok in enumerate(sees) if not ok]
+    if blind:
+        raise CheckpointError(f"rank 0 resumes from {latest}, which ranks {blind} cannot see: the run's output_dir "
+                              "must be on a file system every node shares (and sees up to date)")
+    return latest
+
+
 def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
     """Restore policy, optimizer, schedule and RNG from ``path``; returns its ``state.json``; collective.
 

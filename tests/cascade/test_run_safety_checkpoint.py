@@ -129,3 +129,43 @@ def test_every_checkpoint_file_and_folder_is_fsynced_before_latest_moves(tmp_pat
     missing = sorted(os.path.relpath(p, root) for p in result["paths"] if p not in synced)
     assert not missing, f"not fsynced before latest moved: {missing}"
     assert root in synced  # the folder holding the renamed checkpoint
+
+
+def _agreement_worker(root: str, blind_rank: int) -> dict:
+    """Rank 1's file-system view lags (its ``read_latest`` finds nothing yet); with ``blind_rank`` it
+    cannot see the checkpoint at all. Returns each rank's own answer and the agreed one (or the error)."""
+    import torch.distributed as dist
+
+    from megatron_cascade.model import CheckpointError
+    from megatron_cascade.training import checkpoint
+
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(root, "step_000002"))
+        with open(os.path.join(root, "step_000002", "state.json"), "w") as f:
+            f.write('{"step": 2, "files": {}}')
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write("step_000002")
+    dist.barrier()
+    if dist.get_rank() == 1:  # a node whose view of the shared file system lags
+        checkpoint.read_latest = lambda root: None
+    if dist.get_rank() == blind_rank:
+        checkpoint._complete = lambda path: False
+    own = checkpoint.read_latest(root)
+    try:
+        agreed = checkpoint.agreed_latest(root)
+    except CheckpointError as exc:
+        agreed = f"CheckpointError: {exc}"
+    return {"own": own, "agreed": agreed}
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
+    """Before: each rank took ``read_latest`` of its own view, so a node whose file system lagged
+    started the stage over while the others resumed at step 2. Now rank 0 decides for all; a rank
+    that cannot see its choice stops every rank with an error naming it."""
+    root = str(tmp_path / "ck")
+    ranks = run_distributed(_agreement_worker, 2, root, -1)
+    assert [r["own"] for r in ranks] == [os.path.join(root, "step_000002"), None]  # what each saw alone
+    assert [r["agreed"] for r in ranks] == [os.path.join(root, "step_000002")] * 2
+    blind = run_distributed(_agreement_worker, 2, str(tmp_path / "ck2"), 1)
+    for result in blind:
+        assert result["agreed"].startswith("CheckpointError: rank 0 resumes from") and "ranks [1]" in result["agreed"]

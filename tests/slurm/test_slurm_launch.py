@@ -209,7 +209,9 @@ def test_scripts_are_shellcheck_clean():
         if os.geteuid() == 0 and shutil.which("apt-get"):
             pytest.fail("shellcheck missing: apt-get install -y shellcheck", pytrace=False)
         pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
-    scripts = sorted(p for p in SLURM_DIR.iterdir() if p.suffix in {".sh", ".sbatch"})
-    assert {p.name for p in scripts} >= {"stage.sbatch", "submit_cascade.sh"}
+    root = SLURM_DIR.parent
+    scripts = sorted(p for folder in (SLURM_DIR, root / "scripts", root / "benchmarks") for p in folder.iterdir()
+                     if p.suffix in {".sh", ".sbatch"})
+    assert {p.name for p in scripts} >= {"stage.sbatch", "submit_cascade.sh", "install_gpu.sh", "gpu_check.sh"}
     res = subprocess.run(["shellcheck", "--shell=bash", *map(str, scripts)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
