@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_NO_GPU = 2
@@ -499,7 +500,26 @@ def check_nemotron_h_conversion(work_dir: str) -> Result:
                   {"max_abs_logit_diff": diff, "top1_agreement": agree, "te": te_version() or "none"})
 
 
-def run_checks(args: argparse.Namespace) -> list[Result]:
+class ResultLog:
+    """Each result printed and (with a path) the JSON list rewritten the moment its check ends, so a
+    hang or the outer timeout loses only the check that was running."""
+
+    def __init__(self, json_path: Optional[str] = None) -> None:
+        self.path = Path(json_path) if json_path else None
+        self.results: list[Result] = []
+
+    def add(self, result: Result) -> Result:
+        self.results.append(result)
+        print(result.line(), flush=True)
+        if self.path is not None:
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(json.dumps([vars(r) for r in self.results], indent=2))
+            os.replace(partial, self.path)
+        return result
+
+
+def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], object]] = None) -> list[Result]:
+    """Every check in turn (``on_result`` called with each result as it ends); returns them all."""
     import torch
 
     from megatron_cascade.cascade.runtime import init_distributed, shutdown_distributed
@@ -508,7 +528,14 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
 
-    results = []
+    results: list[Result] = []
+
+    def guard(name: str, check) -> Result:
+        result = guarded(name, check)
+        if on_result is not None:
+            on_result(result)
+        return result
+
     with tempfile.TemporaryDirectory() as ref_dir:
         run_cpu_writer(args, ref_dir)
         init_distributed()
@@ -536,7 +563,7 @@ def run_checks(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-def guard(name: str, check) -> Result:
+def guarded(name: str, check) -> Result:
     """Run one check; an exception is that check's FAIL (the others still run)."""
     try:
         return check()
@@ -565,12 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; step = {args.batch} x {args.seq} "
           "tokens")
     start = time.perf_counter()
-    results = run_checks(args)
-    for r in results:
-        print(r.line())
+    results = run_checks(args, on_result=ResultLog(args.json).add)
     print(f"gpu_check: {time.perf_counter() - start:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps([vars(r) for r in results], indent=2))
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 

@@ -31,6 +31,8 @@ fi
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# Preflight: versions, GPUs and which GPU-path packages import (informational; never fails the check).
+timeout 180 "$PYTHON" -m megatron_cascade.cli doctor || true
 status=0
 timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" "$HERE/gpu_check.py" "$@" || status=$?
 # The hybrid (Mamba-2) model: TE mamba_stack_spec and mamba_ssm kernels vs the CPU-written weights,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,26 @@ def run_cpu_writer(out_dir: str) -> None:
         raise RuntimeError(f"CPU checkpoint writer failed ({res.returncode}):\n{res.stderr[-3000:]}")
 
 
-def run_checks(ref_dir: str) -> list[dict]:
+class StreamedResults(list):
+    """A result list that prints each result, and (with a path) rewrites the JSON, as it is appended:
+    a hang or the outer timeout loses only the check that was running."""
+
+    def __init__(self, json_path: Optional[str] = None) -> None:
+        super().__init__()
+        self.path = Path(json_path) if json_path else None
+
+    def append(self, result: dict) -> None:
+        super().append(result)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), flush=True)
+        if self.path is not None:
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text(json.dumps(list(self), indent=2))
+            os.replace(partial, self.path)
+
+
+def run_checks(ref_dir: str, results: Optional[list] = None) -> list[dict]:
+    """Every hybrid check in turn, each result appended to ``results`` (a ``StreamedResults`` prints
+    it at once) as it ends; a check that raises is that check's FAIL."""
     import torch
 
     from megatron_cascade.cascade.runtime import init_distributed
@@ -102,8 +122,9 @@ def run_checks(ref_dir: str) -> list[dict]:
     with torch.no_grad():
         logits = model(tokens, torch.arange(tokens.shape[1], device=device).expand_as(tokens), None).float().cpu()
     err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
-    results = [dict(name="hybrid_checkpoint", status="PASS" if err < 1e-3 else "FAIL",
-                    detail=f"CPU-written hybrid weights in the {spec} model", max_rel_logit_err=err)]
+    results = [] if results is None else results
+    results.append(dict(name="hybrid_checkpoint", status="PASS" if err < 1e-3 else "FAIL",
+                        detail=f"CPU-written hybrid weights in the {spec} model", max_rel_logit_err=err))
     tok = CharTokenizer()
     prompts = [tok.encode(t) for t in ("abc", "what is 2+2?", "Write a haiku about rain.\nGo")]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, n=2, ignore_eos=True)
@@ -127,7 +148,10 @@ def run_checks(ref_dir: str) -> list[dict]:
         results.append(dict(name=name, status="PASS" if same and lp < 1e-3 else "FAIL",
                             detail=f"{kwargs or 'paged'} vs full recompute, greedy", same_tokens=same,
                             max_logprob_diff=lp, stats=vars(cached.stats) if cached.stats else None))
-    results.append(check_hybrid_recompute())
+    try:
+        results.append(check_hybrid_recompute())
+    except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
+        results.append(dict(name="hybrid_recompute", status="FAIL", detail=f"{type(exc).__name__}: {str(exc)[:400]}"))
     return results
 
 
@@ -200,11 +224,7 @@ def main() -> int:
             from megatron_cascade.cpu_runtime import enable_cpu_mode
 
             enable_cpu_mode()
-        results = run_checks(tmp)
-    for r in results:
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        results = run_checks(tmp, StreamedResults(args.json))
     return 0 if all(r["status"] == "PASS" for r in results) else 1
 
 

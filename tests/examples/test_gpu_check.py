@@ -61,21 +61,27 @@ import json, sys
 sys.path.insert(0, {bench!r})
 import gpu_check
 args = gpu_check.build_parser().parse_args({argv!r})
-print("RESULTS" + json.dumps([vars(r) for r in gpu_check.run_checks(args)]))
+log = gpu_check.ResultLog({json_path!r})
+results = gpu_check.run_checks(args, on_result=log.add)
+# the JSON keeps up with every result (compared as text: unmeasured figures are NaN)
+assert json.dumps([vars(r) for r in results]) == json.dumps(json.load(open({json_path!r})))
+print("RESULTS" + json.dumps([vars(r) for r in results]))
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU drive of the checks")
-def test_checks_run_on_cpu_with_a_tiny_model():
+def test_checks_run_on_cpu_with_a_tiny_model(tmp_path):
     """The same functions the GPU run calls (CPU-written checkpoint, bf16 steps after the load,
     fused log-prob head, packed rows, generation, a converted Nemotron-H) pass on CPU; FP8 needs
-    Transformer Engine and says so."""
-    code = _DRIVER.format(bench=str(BENCH), argv=TINY)
+    Transformer Engine and says so. Each result is printed, and the JSON rewritten, as its check ends."""
+    code = _DRIVER.format(bench=str(BENCH), argv=TINY, json_path=str(tmp_path / "results.json"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULTS")), None)
     assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
+    printed = [x.split()[1] for x in res.stdout.splitlines() if x.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])]
+    assert printed == list(results), res.stdout[-3000:]  # one line per check, in order
     for name in ("cpu_checkpoint", "bf16_step", "fused_logprob_head", "packed_step", "generation", "decode_copy",
                  "decode_cuda_graphs", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
