@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.rewards import build_reward, score_batch
 from megatron_cascade.rewards.reasoning import ReasoningParser, build_reasoning_parser
+from megatron_cascade.rewards.sandbox import SandboxUnavailableError
 from megatron_cascade.rewards.registry import is_group_reward, score_group
 from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
 from megatron_cascade.rollout import RolloutSample
@@ -40,10 +41,15 @@ def build_domain_rewards(domains: dict[str, DomainConfig], names) -> dict:
     reward with a ``preflight`` hook checks what it needs now, before the first step: the code
     reward's sandbox refuses here, naming what is missing, rather than as errors in every step."""
     rewards = {name: build_reward(domains[name].reward.name, dict(domains[name].reward.kwargs)) for name in names}
-    for reward in rewards.values():
+    for name, reward in rewards.items():
         preflight = getattr(reward.fn, "preflight", None)
-        if preflight is not None:
+        if preflight is None:
+            continue
+        try:
             preflight(**reward.kwargs)
+        except SandboxUnavailableError as exc:  # name the domain, and the override as typed on the command line
+            raise SandboxUnavailableError(f"domains.{name}.reward: {exc} On the command line: "
+                                          f"domains.{name}.reward.kwargs.allow_unsafe_sandbox=true") from None
     return rewards
 
 

@@ -19,6 +19,11 @@ import torch
 from megatron.core.inference.contexts.dynamic_block_allocator import BlockAllocator
 
 
+def full_blocks(tokens: int, block_size_tokens: int) -> int:
+    """Blocks a request of ``tokens`` tokens has filled: what its forks share with it."""
+    return tokens // block_size_tokens
+
+
 class SharedBlockAllocator(BlockAllocator):
     """``BlockAllocator`` with a holder count per block (``holders[b]``: requests whose table lists ``b``)."""
 

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.rollout.batch import GenerationStats, RolloutSample
+from megatron_cascade.rollout.block_allocator import full_blocks
 from megatron_cascade.rollout.comm import share_step
 from megatron_cascade.rollout.cuda_graphs import release_cuda_graphs
 from megatron_cascade.rollout.kv_budget import cache_capacity, kv_layout
@@ -153,7 +154,7 @@ class PagedGenerator:
 
     def _shared_blocks(self, prompt_tokens: int) -> int:
         """Blocks each fork of a prompt of ``prompt_tokens`` tokens shares with it (``PagedContext.fork``)."""
-        return prompt_tokens // self.layout.block_size_tokens if self.share_prompt_blocks else 0
+        return full_blocks(prompt_tokens, self.layout.block_size_tokens) if self.share_prompt_blocks else 0
 
     def _lane_count(self, usable: int, largest: int) -> int:
         """One lane per pipeline stage when overlap is asked for and possible: PP > 1, at least two

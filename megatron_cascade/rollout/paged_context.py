@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-from megatron_cascade.rollout.block_allocator import SharedBlockAllocator
+from megatron_cascade.rollout.block_allocator import SharedBlockAllocator, full_blocks
 from megatron_cascade.rollout.groups import ReplicaGroups
 from megatron_cascade.rollout.kv_budget import KVLayout
 
@@ -42,11 +42,6 @@ class PagedContext(DynamicInferenceContext):
         allocator = self.block_allocator  # nothing allocated yet: same pool, holder counts added
         self.block_allocator = SharedBlockAllocator(self, allocator.total_count, allocator.paused_count)
 
-    def shared_fork_blocks(self, prompt_tokens: int) -> int:
-        """Blocks a fork of a request of ``prompt_tokens`` tokens shares with it instead of copying:
-        its full blocks (the partly filled last one is copied)."""
-        return prompt_tokens // self.block_size_tokens if self.share_prompt_blocks else 0
-
     def fork(self, parent_index: int, child_request_id: int) -> None:
         """Append a copy of the request at bookkeeping index ``parent_index`` (a prompt just
         prefilled in this step, before ``update_requests``) under ``child_request_id``: the parent's
@@ -63,7 +58,7 @@ class PagedContext(DynamicInferenceContext):
         count = int(self.request_kv_block_counts[parent_index])
         parent_blocks = self.request_to_kv_block_ids[parent_index, :count]
         tokens = int(self.request_kv_length_offsets[parent_index] + self.request_query_lengths[parent_index])
-        shared = min(self.shared_fork_blocks(tokens), count)
+        shared = min(full_blocks(tokens, self.block_size_tokens), count) if self.share_prompt_blocks else 0
         copied = self.block_allocator.allocate_memory_blocks(count - shared) if count > shared else parent_blocks[:0]
         if copied is None:
             raise RuntimeError("fork: no free KV blocks (the engine's reservation should prevent this)")
