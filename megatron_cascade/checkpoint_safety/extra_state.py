@@ -5,8 +5,11 @@ Transformer Engine modules store their FP8 scaling state as a uint8 tensor holdi
 ``set_extra_state`` calls ``pickle.loads`` on whatever tensor the checkpoint holds (an older format,
 an ``io.BytesIO``, goes to ``torch.load`` with its default). A checkpoint can put any pickle there.
 ``check_extra_states`` unpickles each such value first with an allow-list of what TE's state holds:
-tensors (their storage read with ``weights_only=True``), ``OrderedDict``, torch dtypes, and the
-classes of ``transformer_engine.common.recipe``; anything else is refused, naming the key.
+tensors (their storage read with ``weights_only=True``), ``OrderedDict``, torch dtypes, the
+classes of ``transformer_engine.common.recipe``, and megatron-core's ``TEDelayedScaling`` (its
+subclass of TE's ``DelayedScaling``: the recipe object of every ``fp8.recipe: delayed`` model, so
+of every FP8 checkpoint of that recipe); anything else is refused, naming the key. Unpickling builds
+a class instance from its pickled fields without calling its ``__init__``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from megatron_cascade.checkpoint_safety.restricted_pickle import allow_list, restricted_loads, weights_only_load
 
 _TE_RECIPE = "transformer_engine.common.recipe"
+# megatron-core's recipe subclasses TE puts in _extra_state, exactly these classes.
+_MEGATRON_RECIPES = {("megatron.core.extensions.transformer_engine", "TEDelayedScaling")}
 _TENSOR_PARTS = allow_list([("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
                             ("torch", "Size")])
 
@@ -34,7 +39,7 @@ def _te_allowed(module: str, name: str) -> Any:
         return _storage_from_bytes  # torch's own calls torch.load(weights_only=False)
     if module == "torch" and isinstance(vars(torch).get(name), (torch.dtype, torch.layout, torch.memory_format)):
         return vars(torch)[name]
-    if module == _TE_RECIPE:  # recipe dataclasses and enums: plain data; only classes defined there
+    if module == _TE_RECIPE or (module, name) in _MEGATRON_RECIPES:  # recipe dataclasses and enums: plain data
         obj = getattr(importlib.import_module(module), name, None)
         return obj if isinstance(obj, type) and obj.__module__ == module else None
     return _TENSOR_PARTS(module, name)

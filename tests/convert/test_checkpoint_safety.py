@@ -218,6 +218,32 @@ def test_te_extra_state_is_checked_before_set_extra_state_unpickles_it(tmp_path)
     assert not os.path.exists(marker)
 
 
+def _module_class(module, name: str) -> type:
+    """A plain class registered as ``module.name`` (what that class is where Transformer Engine is installed)."""
+    return type(name, (), {"__module__": module.__name__, "__qualname__": name})
+
+
+def test_fp8_delayed_scaling_state_of_megatron_core_loads(monkeypatch):
+    """Before: every FP8 checkpoint of the delayed recipe was refused on load (resume, the next stage's
+    warm start, MOPD teachers): TE pickles the recipe object into each module's _extra_state, and
+    megatron-core's is its own subclass TEDelayedScaling, outside TE's recipe module. Exactly that
+    class is allowed; the module's other classes stay refused. (Without TE megatron-core's class is a
+    mock; a plain class under its module and name stands in, as pickle finds it by those.)"""
+    from megatron.core.extensions import transformer_engine as mte
+
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
+    from megatron_cascade.checkpoint_safety.extra_state import check_extra_states
+
+    for name in ("TEDelayedScaling", "TELinear"):
+        monkeypatch.setattr(mte, name, _module_class(mte, name))
+    recipe = mte.TEDelayedScaling()
+    recipe.__dict__.update(margin=0, amax_history_len=1024, amax_compute_algo="max", fp8_dpa=False)
+    state = {"recipe": recipe, "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(1024, 3)}
+    check_extra_states({"decoder.layers.0.mlp.linear_fc1._extra_state": _te_format(state)}, "ckpt")
+    with pytest.raises(UnsafeCheckpointError, match="ckpt: layer._extra_state .*TELinear"):
+        check_extra_states({"layer._extra_state": _te_format({"recipe": mte.TELinear()})}, "ckpt")
+
+
 def _forged_metadata(tmp_path, **storage) -> str:
     """A one-tensor DCP ``.metadata`` (tensor 'w' [4] f32 in ``data.distcp``) with ``storage`` overriding
     the storage entry's fields (relative_path, offset, length) or, with ``chunk``, the chunk's offset."""
