@@ -10,11 +10,11 @@ optimizer is built: weights loaded into the model later must be pushed into them
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_cascade.config.model import ModelConfig, ParallelConfig
+from megatron_cascade.config.model import FP8Config, ModelConfig, ParallelConfig
 from megatron_cascade.config.training import OptimizerConfig, validate_optimizer_config
 from megatron_cascade.model import build_gpt_model, load_model_weights
 from megatron_cascade.model.builder import params_dtype
@@ -62,7 +62,15 @@ def in_model_precision(model: torch.nn.Module, model_cfg: ModelConfig) -> torch.
 
 def build_frozen_model(model_cfg: ModelConfig, parallel: ParallelConfig) -> torch.nn.Module:
     """A model for forward-only log-probs (teachers, the KL reference): at the policy's precision,
-    in eval mode, no parameter requiring a gradient. Its weights are the caller's to load."""
+    in eval mode, no parameter requiring a gradient. Its weights are the caller's to load.
+
+    FP8 policies get frozen models whose GEMMs run in bf16: delayed scaling derives each GEMM's scale
+    from the amax history of earlier forwards, which a frozen model has not had (a checkpoint written
+    from bf16 weights holds none; the teacher pool swaps weights, not scales, so every teacher would
+    run with the first one's). bf16 gives the stored weights' own log-probs; the price is that a
+    reference holding the policy's weights differs from the FP8 policy by FP8's rounding."""
+    if model_cfg.fp8.format is not None:
+        model_cfg = replace(model_cfg, fp8=FP8Config())
     model = in_model_precision(build_gpt_model(model_cfg, parallel), model_cfg).eval()
     for param in model.parameters():
         param.requires_grad_(False)
