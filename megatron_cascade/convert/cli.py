@@ -125,14 +125,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=_guarded(_megatron_to_hf))
 
     p = sub.add_parser("reshard", help="validated copy for a TP/PP/EP layout (dist checkpoints load at any layout)")
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
+    p.add_argument("--out", required=True, help="new (empty) output directory")
     _add_layout(p)
     p.set_defaults(func=_guarded(_reshard))
 
     p = sub.add_parser("nemo2-to-megatron", help="NeMo 2 checkpoint (context/ + weights/) -> Megatron checkpoint")
     p.add_argument("--nemo", required=True, help="NeMo 2 checkpoint directory")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="new (empty) output directory")
     _add_layout(p)
     p.set_defaults(func=_guarded(_nemo2))
 
