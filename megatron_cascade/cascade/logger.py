@@ -31,8 +31,11 @@ class StageLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            # TensorBoard hides earlier events at or after purge_step: the steps a resume redoes (the
+            # kept ones end at global step offset + first_step, which is also the previous stage's
+            # last step and its eval point when this stage starts fresh).
             self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"),
-                                        purge_step=global_offset + first_step)
+                                        purge_step=global_offset + first_step + 1)
         if progress_bar:
             from tqdm import tqdm
 
