@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 from dataclasses import asdict
+from multiprocessing import resource_tracker
 from multiprocessing.managers import SyncManager
 from typing import Any
 
@@ -101,9 +102,15 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return out
 
 
+_STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
 def _ignore_stop_signals() -> None:
-    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+    """The manager's initializer: ignore stop signals, then take delivery again (it was born with
+    them blocked, see ``_signal_safe_writer_queue``; one that arrived meanwhile is now discarded)."""
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def _signal_safe_writer_queue() -> None:
@@ -111,13 +118,23 @@ def _signal_safe_writer_queue() -> None:
 
     Megatron's torch_dist writer lazily starts a multiprocessing Manager; Slurm signals every
     process of a job step, and a Manager with default handlers dies on the preemption USR1/TERM
-    in the middle of the very save that signal asked for. Ours ignores them (the trainer decides).
+    in the middle of the very save that signal asked for. Ours ignores them (the trainer decides),
+    and is started with them blocked: between its birth and its initializer a signal to the process
+    group killed it (EOFError here, exit 1 instead of the requeue's 75). A signal the trainer gets
+    meanwhile waits until the manager is up, then reaches the trainer's own handler.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(_ignore_stop_signals)
+        # multiprocessing's resource tracker, started with the first spawned process, unblocks SIGINT
+        # and SIGTERM on its way out: have it running before the mask is set.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # inherited by the child
+        try:
+            manager.start(_ignore_stop_signals)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         filesystem_async._results_queue = manager.Queue()
         _MANAGERS.append(manager)  # keep it alive as long as the queue is used
 
