@@ -22,11 +22,22 @@ import sys
 from megatron_cascade.config import ConfigError, RunConfig, load_config
 
 
+class _LibraryInfoFilter(logging.Filter):
+    """Drops megatron-core's INFO records that it logs on the root logger (``logging.info(...)``:
+    "DynamicInferenceContext: allocated context ..." at every generate call, inside the progress bar);
+    its warnings and errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or f"{os.sep}megatron{os.sep}core{os.sep}" not in record.pathname
+
+
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     level = logging.INFO if rank == "0" else logging.WARNING
     logging.basicConfig(level=level, format=f"[%(asctime)s r{rank} %(name)s] %(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_LibraryInfoFilter())
     from megatron_cascade.cpu_runtime import silence_cpu_warnings
 
     silence_cpu_warnings()

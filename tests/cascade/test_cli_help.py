@@ -38,3 +38,26 @@ def test_help_runs_for_every_subcommand(capsys):
         with pytest.raises(SystemExit) as info:
             build_parser().parse_args([*path, "--help"])
         assert info.value.code == 0 and "usage:" in capsys.readouterr().out, path
+
+
+def test_megatron_info_on_the_root_logger_stays_off_the_console():
+    """Before: megatron-core's ``logging.info("DynamicInferenceContext: allocated context ...")`` (root
+    logger) printed at every generate call, into the progress bar. Its warnings and our INFO still show."""
+    import subprocess
+    import sys
+
+    code = """
+import logging
+from megatron_cascade.cli import _setup_logging
+_setup_logging()
+from megatron.core.inference.contexts import dynamic_context
+logging.info("ours: kept")
+record = logging.LogRecord("root", logging.INFO, dynamic_context.__file__, 1, "megatron: allocated context", None, None)
+logging.getLogger().handle(record)
+logging.getLogger().handle(logging.LogRecord("root", logging.WARNING, dynamic_context.__file__, 1, "megatron: warned",
+                                             None, None))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "ours: kept" in res.stderr and "megatron: warned" in res.stderr
+    assert "allocated context" not in res.stderr
