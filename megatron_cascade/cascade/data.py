@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -95,17 +95,15 @@ def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prom
     return Example(domain, tuple(ids), row, "")
 
 
-def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
-                  max_prompt_tokens: int = 512) -> list[Example]:
-    """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal."""
-    if on_bad_row not in OnBadRow.values():
-        raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of {OnBadRow.values()}")
+def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False,
+               max_prompt_tokens: int = 512) -> Iterator[Example | DataError]:
+    """Each non-empty row of the JSONL file ``path`` as an ``Example``, or a ``DataError`` naming
+    ``path:line`` and what is wrong with it. Raises ``DataError`` when the file cannot be opened."""
     try:
         # Binary: a line that is not UTF-8 is one bad row reported as path:line, not a crash of the read.
         handle = open(path, "rb")
     except OSError as exc:
         raise DataError(f"{path}: cannot open data file: {exc.strerror}") from None
-    examples, bad = [], 0
     with handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -114,12 +112,27 @@ def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip"
             try:
                 example = _parse_row(line, domain, tokenizer, need_response, max_prompt_tokens)
             except DataError as exc:
-                if on_bad_row == "error":
-                    raise DataError(f"{where}: {exc}") from None
-                log.warning("%s: skipping bad row: %s", where, exc)
-                bad += 1
+                error = DataError(f"{where}: {exc}")
+                error.where, error.problem = where, str(exc)
+                yield error
                 continue
-            examples.append(Example(example.domain, example.prompt_ids, example.row, where))
+            yield Example(example.domain, example.prompt_ids, example.row, where)
+
+
+def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
+                  max_prompt_tokens: int = 512) -> list[Example]:
+    """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal."""
+    if on_bad_row not in OnBadRow.values():
+        raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of {OnBadRow.values()}")
+    examples, bad = [], 0
+    for row in parse_rows(path, domain, tokenizer, need_response=need_response, max_prompt_tokens=max_prompt_tokens):
+        if isinstance(row, DataError):
+            if on_bad_row == "error":
+                raise row
+            log.warning("%s: skipping bad row: %s", row.where, row.problem)
+            bad += 1
+            continue
+        examples.append(row)
     if not examples:
         raise DataError(f"{path}: no usable rows ({bad} bad)")
     if bad:

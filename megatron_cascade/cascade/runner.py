@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_cascade.cascade.data import load_examples
 from megatron_cascade.cascade.manifest import Manifest
+from megatron_cascade.cascade.preflight import preflight
 from megatron_cascade.cascade.resume_check import check_resume
 from megatron_cascade.cascade.run_lock import RunLock, RunLockError, acquire_run_lock
 from megatron_cascade.cascade.runtime import (
@@ -32,12 +33,18 @@ from megatron_cascade.training.checkpoint import write_atomically
 log = logging.getLogger(__name__)
 
 
-def build_context(cfg: RunConfig) -> RunContext:
-    """Tokenizer, manifest, eval sets and rewards for a run (distributed must be initialised)."""
+def build_run_tokenizer(cfg: RunConfig):
+    """The run's tokenizer, checked against ``model.vocab_size``."""
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.chat_template_kwargs)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
                           f"{cfg.model.vocab_size}; raise model.vocab_size")
+    return tokenizer
+
+
+def build_context(cfg: RunConfig, tokenizer=None) -> RunContext:
+    """Tokenizer, manifest, eval sets and rewards for a run (distributed must be initialised)."""
+    tokenizer = tokenizer if tokenizer is not None else build_run_tokenizer(cfg)
     eval_domains = sorted(d for d, spec in cfg.domains.items() if spec.eval)
     eval_sets = {d: load_examples(cfg.domains[d].eval, d, tokenizer, on_bad_row=cfg.data.on_bad_row,
                                   max_prompt_tokens=cfg.data.max_prompt_tokens) for d in eval_domains}
@@ -114,6 +121,8 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
     init_distributed(cfg.distributed.timeout_minutes)
     lock = None
     try:
+        tokenizer = build_run_tokenizer(cfg)
+        preflight(cfg, tokenizer, only_stage)  # every stage's data, --stage and its predecessors: nothing written
         layout = resolve_layout(cfg.model, cfg.parallel, dist.get_world_size())
         check_generation_layouts(cfg, layout)  # decode layouts, and CP only where a decode layout generates
         initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes,
@@ -121,12 +130,10 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
         lock = _prepare_output_dir(cfg, allow_config_change)
         if is_main_rank():
             log.info("layout: %s", layout)
-        ctx = build_context(cfg)
+        ctx = build_context(cfg, tokenizer)
         names = [s.name for s in cfg.stages]
         if is_main_rank() and ctx.manifest.data.get("stage_order") != names:
             ctx.manifest.record("stage_order", names)
-        if only_stage is not None and only_stage not in names:
-            raise ConfigError(f"--stage {only_stage!r}: no such stage (stages: {names})")
         offset = 0
         for index, stage_cfg in enumerate(cfg.stages):
             stage = resolve_stage(cfg, stage_cfg)

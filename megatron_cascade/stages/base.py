@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from megatron_cascade.stages.registry import StageTypeEntry, stage_type
 
 if TYPE_CHECKING:  # the runner imports this module
+    from megatron_cascade.config.schema import DomainConfig
     from megatron_cascade.cascade.data import Example
     from megatron_cascade.cascade.stage import StageRunner
     from megatron_cascade.training import LossSpec, TrainBatch
@@ -57,8 +58,14 @@ class StageType:
         return rollout_loss_spec(self.runner.stage, self.entry.loss, vocab_size)
 
     def data_file(self, domain: str) -> str:
-        """The JSONL file this stage draws ``domain``'s rows from (default: the domain's ``train``)."""
-        return self.runner.cfg.domains[domain].train
+        """The JSONL file this stage draws ``domain``'s rows from (``data_path``)."""
+        return self.data_path(self.runner.cfg.domains[domain])
+
+    @classmethod
+    def data_path(cls, domain: "DomainConfig") -> str:
+        """The JSONL file a stage of this type reads for ``domain`` (default: its ``train``); also what
+        a run checks before its first step (``cascade/preflight.py``)."""
+        return domain.train
 
     def setup(self) -> None:
         """Build what the stage needs besides the policy. Called once the policy holds the stage's start

@@ -13,9 +13,9 @@ class SFTStage(StageType):
     def loss_spec(self, vocab_size: int) -> LossSpec:
         return LossSpec(self.entry.loss, self.runner.stage.loss, temperature=1.0, vocab_size=vocab_size)
 
-    def data_file(self, domain: str) -> str:
-        spec = self.runner.cfg.domains[domain]
-        return spec.sft or spec.train
+    @classmethod
+    def data_path(cls, domain) -> str:
+        return domain.sft or domain.train
 
     def make_batch(self, step: int, examples) -> StepBatch:
         return StepBatch(sft_batch(examples, self.runner.tok))

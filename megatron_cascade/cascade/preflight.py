@@ -1,0 +1,82 @@
+"""What a run checks before it touches ``output_dir`` or takes a step: everything it will need later.
+
+A typo in a later stage's data file used to surface when that stage started (20-40 minutes into the
+demo, hours into a real cascade), and ``--stage`` was checked only after the output folder existed.
+``preflight`` reads, for every stage still to run, each domain's data file (it opens, and its first
+rows parse as the stage needs them: prompts, and references for SFT), the eval files, the
+``init_checkpoint`` folder, and with ``--stage`` the stage's name and the earlier stages it starts
+from or distils from; every problem goes into one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Optional
+
+from megatron_cascade.cascade.data import DataError, parse_rows
+from megatron_cascade.cascade.manifest import Manifest
+from megatron_cascade.config import ConfigError, RunConfig
+from megatron_cascade.stages import stage_class
+
+ROWS_CHECKED = 100  # rows of each data file parsed up front (the whole file is read when its stage starts)
+
+
+def preflight(cfg: RunConfig, tokenizer, only_stage: Optional[str] = None) -> None:
+    """Raise one ``ConfigError`` listing every problem found (nothing is written anywhere)."""
+    names = [s.name for s in cfg.stages]
+    problems: list[str] = []
+    if only_stage is not None and only_stage not in names:
+        problems.append(f"--stage {only_stage!r}: no such stage (stages: {names})")
+    manifest = Manifest(cfg.output_dir)
+    to_run = [i for i, s in enumerate(cfg.stages) if not manifest.is_complete(s.name)
+              and (only_stage is None or s.name == only_stage)]
+    if only_stage is not None:
+        problems += _missing_predecessors(cfg, manifest, to_run)
+    reads: dict[tuple[str, str], bool] = {}  # (domain, file) -> whether its rows need a reference response
+    for index in to_run:
+        kind = stage_class(cfg.stages[index].type)
+        for domain in cfg.stages[index].domains:
+            key = (domain, kind.data_path(cfg.domains[domain]))
+            reads[key] = reads.get(key, False) or kind.needs_response
+    for (domain, path), need_response in sorted(reads.items()):
+        problems += _file_problems(path, domain, tokenizer, cfg, need_response)
+    for domain, spec in sorted(cfg.domains.items()):
+        if spec.eval:
+            problems += _file_problems(spec.eval, domain, tokenizer, cfg, False)
+    if 0 in to_run and cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
+        problems.append(f"init_checkpoint: folder {cfg.init_checkpoint} does not exist")
+    if problems:
+        raise ConfigError("the run cannot start; nothing was written:\n  - " + "\n  - ".join(problems))
+
+
+def _missing_predecessors(cfg: RunConfig, manifest: Manifest, to_run: list[int]) -> list[str]:
+    """``--stage``: the stages it starts from (``init_from``, default the previous one) or distils from
+    that are not complete in ``output_dir``."""
+    names = {s.name for s in cfg.stages}
+    problems = []
+    for index in to_run:
+        stage = cfg.stages[index]
+        needed = [stage.init_from or cfg.stages[index - 1].name] if index > 0 else []
+        needed += [t for t in stage.teachers.values() if t in names]
+        for name in dict.fromkeys(needed):
+            if not manifest.is_complete(name):
+                problems.append(f"--stage {stage.name}: it needs stage {name!r} complete in {cfg.output_dir} "
+                                f"(run the cascade without --stage, or that stage first)")
+    return problems
+
+
+def _file_problems(path: str, domain: str, tokenizer, cfg: RunConfig, need_response: bool) -> list[str]:
+    """Why the first ``ROWS_CHECKED`` rows of ``path`` cannot be used (empty list: they can)."""
+    try:
+        rows = list(itertools.islice(parse_rows(path, domain, tokenizer, need_response=need_response,
+                                                max_prompt_tokens=cfg.data.max_prompt_tokens), ROWS_CHECKED))
+    except DataError as exc:
+        return [f"domains.{domain}: {exc}"]
+    bad = [error for error in rows if isinstance(error, DataError)]
+    if bad and (cfg.data.on_bad_row == "error" or len(bad) == len(rows)):
+        return [f"domains.{domain}: {bad[0]}" + (f" ({len(bad)} of the first {len(rows)} rows bad)" if len(bad) > 1
+                                                 else "")]
+    if not rows:
+        return [f"domains.{domain}: {path} has no rows"]
+    return []
