@@ -32,7 +32,7 @@ from megatron_cascade.model import CheckpointError, save_model_weights
 from megatron_cascade.model.checkpoint import _barrier, _rank, _signal_safe_writer_queue
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
 from megatron_cascade.training.checkpoint_integrity import damage, file_record, fsync_path, fsync_tree
-from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights
+from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -371,10 +371,32 @@ def _check_optimizer_kind(path: str, saved: dict, policy: Policy) -> None:
             f"parallel.use_distributed_optimizer={str(kind).lower()} (the two store Adam state differently)")
 
 
+def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s parameters holding a NaN or an infinity, over every rank (collective when
+    distributed; each rank checks its shards)."""
+    import torch.distributed as dist
+
+    mine = [name for name, param in unwrap(module).named_parameters()
+            if param.numel() and not bool(torch.isfinite(param.detach()).all())]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted({name for names in everyone for name in names})
+
+
 def save_final_weights(path: str, policy: Policy, extra_files: dict[str, str]) -> None:
-    """A stage's final weights (what later stages start from and MOPD teachers load), atomically."""
+    """A stage's final weights (what later stages start from and MOPD teachers load), atomically.
+
+    Raises ``CheckpointError`` naming the tensors (and seals nothing) when a weight is not finite: a
+    stage that ended in NaN (a corrupted optimizer state, a diverged step) must not hand it on."""
     partial = f"{path}.partial"
     finish_param_sync(policy)
+    bad = nonfinite_tensors(policy.module)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointError(f"refusing to seal {path}: non-finite values in {shown}; resume from an earlier "
+                              "checkpoint of the stage (or lower the learning rate) instead")
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()

@@ -169,3 +169,41 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
     blind = run_distributed(_agreement_worker, 2, str(tmp_path / "ck2"), 1)
     for result in blind:
         assert result["agreed"].startswith("CheckpointError: rank 0 resumes from") and "ranks [1]" in result["agreed"]
+
+
+def _nonfinite_worker(root: str) -> dict:
+    """At TP=2 (each rank holds half of linear_fc1): seal the final weights of a healthy policy, then of
+    one whose shard on rank 1 holds a NaN."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_cascade.model import CheckpointError, initialize_model_parallel
+    from megatron_cascade.training import build_policy
+    from megatron_cascade.training.checkpoint import save_final_weights
+    from megatron_cascade.training.policy import unwrap
+
+    layout = ParallelConfig(tensor_model_parallel_size=2)
+    initialize_model_parallel(layout, seed=5)
+    policy = build_policy(MODEL, layout, OptimizerConfig(), total_steps=4)
+    save_final_weights(os.path.join(root, "healthy"), policy, {})
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            unwrap(policy.module).decoder.layers[0].mlp.linear_fc1.weight.view(-1)[3] = float("nan")
+    try:
+        save_final_weights(os.path.join(root, "final"), policy, {})
+        outcome = "sealed"
+    except CheckpointError as exc:
+        outcome = f"CheckpointError: {exc}"
+    return {"outcome": outcome, "dirs": sorted(os.listdir(root))}
+
+
+def test_nonfinite_weights_are_never_sealed(tmp_path):
+    """Before: a stage whose weights went NaN (here: one element of one rank's shard) sealed them as its
+    final weights and handed them to the next stage and to MOPD. Now every rank refuses, naming the
+    tensor, and no final folder appears."""
+    root = str(tmp_path / "stage")
+    os.makedirs(root)
+    for result in run_distributed(_nonfinite_worker, 2, root):
+        assert result["outcome"].startswith("CheckpointError: refusing to seal"), result
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in result["outcome"], result
+        assert result["dirs"] == ["healthy"], result
