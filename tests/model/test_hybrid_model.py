@@ -129,7 +129,7 @@ def test_plan_of_hybrid_generation_takes_state_slots_and_kv_on_demand(tmp_path):
                                         "rollout.kv_block_size_tokens=16", *extra], check_paths=False)
         layout = resolve_layout(cfg.model, cfg.parallel, 1, check_this_machine=False)
         stage = resolve_stage(cfg, next(s for s in cfg.stages if s.type == "grpo"))
-        samples.append(stage.prompts_per_step * stage.samples_per_prompt)
+        samples.append((stage.prompts_per_step * stage.samples_per_prompt, stage.samples_per_prompt))
         return generation_plan(cfg, layout, stage, free_bytes=2**30), cfg.model, layout
 
     samples = []
@@ -138,15 +138,17 @@ def test_plan_of_hybrid_generation_takes_state_slots_and_kv_on_demand(tmp_path):
     block = 16 * 2 * 2 * 32 * 4
     state = 2 * ((256 + 2 * 2 * 32) * 4 + 8 * 32 * 32) * 4
     assert kv_bytes_per_token(m, layout) * 16 == block and mamba_state_bytes_per_sample(m, layout) == state
-    # 60 + 40 tokens at their longest: 7 blocks; expected 60 + 20 = 80 tokens: 5 blocks.
-    assert (gen.worst_kv, gen.expected_kv, gen.state) == (7 * block, 5 * block, state)
-    n = samples[0]
+    # 60 + 40 tokens at their longest: 7 blocks; expected 60 + 20 = 80 tokens: 5 blocks; the prompt's 3 full
+    # blocks are shared by the G samples of its group, so a sample counts 3 / G of them.
+    n, group = samples[0]
+    worst, expected = (4 + 3 / group) * block, (2 + 3 / group) * block
+    assert (gen.worst_kv, gen.expected_kv, gen.state) == (worst, expected, state)
     assert n > 5 and (gen.samples, gen.concurrent) == (n, n)
-    assert gen.kv_cache == (n * 7 + 1) * block + n * state  # every sample at its longest, a slot each
-    gen, _, _ = plan(int(5.5 * (state + 5 * block)))
-    assert gen.concurrent == 5 and gen.kv_cache <= 5.5 * (state + 5 * block)
+    assert gen.kv_cache == (math.ceil(n * worst / block) + 1) * block + n * state  # all at their longest, a slot each
+    gen, _, _ = plan(int(5.5 * (state + expected)))
+    assert gen.concurrent == 5 and gen.kv_cache <= 5.5 * (state + expected)
     with pytest.raises(ConfigError, match="cannot hold one sample of 60 \\+ 40 tokens"):
         plan(7 * block + block + state - 1)
     # Long prompts: memory, not a prefill cap, bounds the samples at once; a step holds the longest sample.
     gen, _, _ = plan(2**40, "data.max_prompt_tokens=8000", "model.max_position_embeddings=8040")
-    assert gen.concurrent == n
+    assert gen.concurrent == samples[-1][0]
