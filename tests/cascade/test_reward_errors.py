@@ -54,9 +54,13 @@ def _runner(tmp: str, max_error_frac: float, reward):
     from megatron_cascade.config import load_config, resolve_stage
     from megatron_cascade.model import initialize_model_parallel
 
+    import torch.distributed as dist
+
     config = os.path.join(tmp, "run.yaml")
-    with open(config, "w") as f:
-        f.write(CONFIG.format(tiny=TINY, out=os.path.join(tmp, "out"), max_error_frac=max_error_frac))
+    if dist.get_rank() == 0:  # one writer: another rank reading it mid-write saw a truncated file
+        with open(config, "w") as f:
+            f.write(CONFIG.format(tiny=TINY, out=os.path.join(tmp, "out"), max_error_frac=max_error_frac))
+    dist.barrier()
     cfg = load_config(config)
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)
     runner = StageRunner(build_context(cfg), 0, resolve_stage(cfg, cfg.stages[0]))

@@ -195,8 +195,8 @@ def test_real_failing_stage_stops_the_chain(cluster, chain):
     work = Path(tempfile.mkdtemp(prefix="real-fail-", dir=cluster.job_dir))
     out = work / "run"
     copy_run(chain["out"], out, keep=["sft", "if_rl"])
-    # math_rl also trains on a domain whose train file holds only malformed rows: valid config,
-    # fails when that stage loads its data (and in no other stage).
+    # math_rl also trains on a domain whose train file holds only malformed rows: valid config, refused
+    # by that stage's job before it writes anything (and by no other stage's).
     broken = work / "broken_train.jsonl"
     broken.write_text('{"prompt": "1+1=", "answer": "2"\nnot json at all\n[1, 2, 3]\n')
     config = work / "ci_broken.yaml"
@@ -211,7 +211,8 @@ def test_real_failing_stage_stops_the_chain(cluster, chain):
         assert cluster.wait_job(jobs[stage], timeout=60) == "CANCELLED", cluster.job_info(jobs[stage])
         assert not (work / "logs" / f"{stage}_{jobs[stage]}.log").exists()  # never started
     log = log_of(cluster, jobs["math_rl"])
-    assert f"{broken}: no usable rows (3 bad)" in log, log  # the trainer's error
+    assert "the run cannot start; nothing was written" in log, log  # the trainer's preflight refuses
+    assert f"domains.broken: {broken}:1: not valid JSON" in log and "(3 of the first 3 rows bad)" in log, log
     assert re.search(r"stage math_rl FAILED: trainer exit code [1-9]", log), log  # the script's verdict
     assert cluster.job_info(jobs["math_rl"])["Restarts"] == "0"
     data = manifest(out)
