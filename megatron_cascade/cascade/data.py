@@ -10,6 +10,7 @@ stops the run, per ``data.on_bad_row``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -117,6 +118,16 @@ def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False
                 yield error
                 continue
             yield Example(example.domain, example.prompt_ids, example.row, where)
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of the file at ``path`` (hex), read in blocks: what a stage's checkpoints record of its
+    data so that a resume notices a file rewritten since (``StageRunner``)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,

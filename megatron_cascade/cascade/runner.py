@@ -131,6 +131,7 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
         if is_main_rank():
             log.info("layout: %s", layout)
         ctx = build_context(cfg, tokenizer)
+        ctx.allowed_changes = tuple(allow_config_change)
         names = [s.name for s in cfg.stages]
         if is_main_rank() and ctx.manifest.data.get("stage_order") != names:
             ctx.manifest.record("stage_order", names)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
+from megatron_cascade.cascade.data import Example, PromptMixer, file_digest, load_examples
 from megatron_cascade.cascade.evaluation import DomainEval, data_parallel, evaluate_detailed
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
@@ -51,6 +51,8 @@ class RunContext:
     preemption: PreemptionWatch
     eval_sets: dict[str, list[Example]]
     eval_rewards: dict
+    # --allow-config-change keys of this run (``data.contents``: resume on rewritten data files).
+    allowed_changes: tuple[str, ...] = ()
     # Decode copies of the policy by layout (``rollout.parallel``): built once, refit by every stage.
     decode_copies: dict = field(default_factory=dict)
 
@@ -128,16 +130,36 @@ class StageRunner:
         self.kind.setup()  # before a resume overwrites the policy: a KL reference is the stage's start
         latest = agreed_latest(self.ckpt_root)  # rank 0's view: ranks on other nodes may lag
         first_step = 0
+        self.data_record = {d: {"path": self.kind.data_file(d), "sha256": file_digest(self.kind.data_file(d))}
+                            for d in self.stage.domains}
         if latest is not None:
             state = load_training_checkpoint(latest, self.policy)
             log.info("stage %s: resuming from %s (step %d)", self.stage.name, latest, state["step"])
             first_step = int(state["step"])
+            self._check_data_unchanged(state.get("data") or {}, first_step)
         self.datasets = {d: load_examples(self.kind.data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
                                           need_response=self.kind.needs_response,
                                           max_prompt_tokens=self.cfg.data.max_prompt_tokens)
                          for d in self.stage.domains}
         self.mixer = PromptMixer(self.datasets, self.stage.domains, seed=self.cfg.seed + 7919 * self.index)
         return first_step
+
+    def _check_data_unchanged(self, recorded: dict, step: int) -> None:
+        """Refuse to resume on a data file whose contents changed since the checkpoint (the steps after
+        the resume would draw other rows than a run that never stopped), unless the run allows
+        ``data.contents`` (``--allow-config-change``)."""
+        changed = [f"domains.{d} ({now['path']}: SHA-256 {recorded[d]['sha256'][:12]} recorded, {now['sha256'][:12]} "
+                   "now)" for d, now in self.data_record.items()
+                   if d in recorded and recorded[d].get("sha256") != now["sha256"]]
+        if not changed:
+            return
+        if any(key in ("data", "data.contents") for key in self.ctx.allowed_changes):
+            log.warning("stage %s: resuming on changed data (--allow-config-change data.contents): %s",
+                        self.stage.name, "; ".join(changed))
+            return
+        raise ConfigError(f"stage {self.stage.name}: its checkpoint at step {step} was taken on other data: "
+                          f"{'; '.join(changed)}. Restore the files, or resume on the new rows with "
+                          "--allow-config-change data.contents")
 
     def generation_replica(self) -> GenerationReplica:
         """What generates this stage's rollouts and evaluations, holding the policy's current weights:
@@ -185,13 +207,17 @@ class StageRunner:
     def _maybe_checkpoint(self, done: int) -> None:
         every = self.cfg.checkpoint.every_steps
         if self.ctx.preemption.requested():
-            save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
+            save_training_checkpoint(self.ckpt_root, done, self.policy, self._checkpoint_state(),
                                      self.cfg.checkpoint.keep_last)
             raise Preempted(f"stage {self.stage.name}: checkpointed at step {done} on a preemption signal "
                             "or before the job's time limit")
         if every and done % every == 0 and done < self.stage.steps:
-            save_training_checkpoint(self.ckpt_root, done, self.policy, {"stage": self.stage.name},
+            save_training_checkpoint(self.ckpt_root, done, self.policy, self._checkpoint_state(),
                                      self.cfg.checkpoint.keep_last)
+
+    def _checkpoint_state(self) -> dict:
+        """What a checkpoint records besides the tensors: the stage, and each data file's digest."""
+        return {"stage": self.stage.name, "data": self.data_record}
 
     def my_share(self, step: int, round: int = 0) -> list[Example]:
         """This data-parallel rank's prompts of ``step`` (``round`` > 0: dynamic sampling's further draws)."""
