@@ -4,8 +4,6 @@ all problems in one error, and ``output_dir`` not created."""
 
 from __future__ import annotations
 
-import os
-
 from cascade_fixtures import run_cli, write_short_config
 
 
