@@ -100,6 +100,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inferenc
     moe = model.moe
     activation_func, gated = _activation(model)
     kwargs = dict(
+        # [] = graphs (when any) capture whole layers: megatron-core's own default "full" says the same
+        # and warns at every model build that it is deprecated.
+        cuda_graph_scope=[],
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
