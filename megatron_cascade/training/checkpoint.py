@@ -352,7 +352,14 @@ def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
     load_optimizer_state(policy, os.path.join(path, "optim"))  # fp32 masters from here, not the weights
     policy.scheduler.load_state_dict(saved["scheduler"])
     if saved.get("layout") == _layout() and os.path.isfile(_rng_file(path)):
-        _set_rng_state(torch.load(_rng_file(path), weights_only=True))
+        from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
+        from megatron_cascade.checkpoint_safety.restricted_pickle import weights_only_load
+
+        try:
+            states = weights_only_load(_rng_file(path), _rng_file(path))
+        except UnsafeCheckpointError as exc:  # one line naming the file, not torch's traceback
+            raise CheckpointError(str(exc)) from None
+        _set_rng_state(states)
     elif _rank() == 0:
         log.info("%s was saved at layout %s, resuming at %s: RNG states not restored", path, saved.get("layout"),
                  _layout())

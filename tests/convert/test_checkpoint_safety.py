@@ -186,6 +186,13 @@ def test_init_teacher_and_resume_refuse_hostile_files(tmp_path, legit):
     add("teacher_extra_state", "teacher", _poison_extra_state, "weights")
     add("resume_optim_metadata", "resume", _poison_metadata, "optim")
     add("resume_optim_common_force_no_weights_only", "resume", common_pt, "optim")
+
+    def rng_pt(rng_dir: str, marker: str) -> str:  # before: refused with torch's raw traceback
+        path = os.path.join(rng_dir, "rank_00000.pt")
+        torch.save({"cpu": _Payload(marker)}, path)
+        return path
+
+    add("resume_rng_force_no_weights_only", "resume", rng_pt, "rng")
     messages = run_distributed(_load_worker, 1, cases)[0]
     for case, (path, marker) in expect.items():
         assert not os.path.exists(marker), f"{case}: the payload ran ({messages[case]})"
