@@ -30,12 +30,15 @@ def _doctor(*args: str, drop_sys_admin: bool = False) -> subprocess.CompletedPro
 
 
 def test_doctor_prints_this_machine_and_passes_the_demo_here():
-    res = _doctor(CI)
+    # As a normal user the code sandbox cannot isolate (doctor says so, tested below as root): allow its
+    # unisolated mode so that the rest of the demo's config is what is checked.
+    unsafe = [] if os.geteuid() == 0 else ["domains.code.reward.kwargs.allow_unsafe_sandbox=true"]
+    res = _doctor(CI, *unsafe)
     assert res.returncode == 0, res.stdout + res.stderr
     for words in ("python ", "torch ", "megatron-core: 0.16", "transformer-engine: not installed", "gpu: none",
                   "code sandbox:", "every feature it uses runs here"):
         assert words in res.stdout, res.stdout
-    fp8 = _doctor(CI, "model.precision=bf16", "model.fp8.format=hybrid")
+    fp8 = _doctor(CI, *unsafe, "model.precision=bf16", "model.fp8.format=hybrid")
     assert fp8.returncode == 1 and "model.fp8.format=hybrid: FP8 needs Transformer Engine" in fp8.stdout, fp8.stdout
 
 
