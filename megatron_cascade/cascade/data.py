@@ -10,7 +10,6 @@ stops the run, per ``data.on_bad_row``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -96,10 +95,11 @@ def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prom
     return Example(domain, tuple(ids), row, "")
 
 
-def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False,
-               max_prompt_tokens: int = 512) -> Iterator[Example | DataError]:
+def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False, max_prompt_tokens: int = 512,
+               digest=None) -> Iterator[Example | DataError]:
     """Each non-empty row of the JSONL file ``path`` as an ``Example``, or a ``DataError`` naming
-    ``path:line`` and what is wrong with it. Raises ``DataError`` when the file cannot be opened."""
+    ``path:line`` and what is wrong with it. Raises ``DataError`` when the file cannot be opened.
+    ``digest``: a ``hashlib`` object fed every byte of the file as it is read (read to the end)."""
     try:
         # Binary: a line that is not UTF-8 is one bad row reported as path:line, not a crash of the read.
         handle = open(path, "rb")
@@ -107,6 +107,8 @@ def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False
         raise DataError(f"{path}: cannot open data file: {exc.strerror}") from None
     with handle:
         for number, line in enumerate(handle, start=1):
+            if digest is not None:
+                digest.update(line)
             if not line.strip():
                 continue
             where = f"{path}:{number}"
@@ -120,23 +122,15 @@ def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False
             yield Example(example.domain, example.prompt_ids, example.row, where)
 
 
-def file_digest(path: str) -> str:
-    """SHA-256 of the file at ``path`` (hex), read in blocks: what a stage's checkpoints record of its
-    data so that a resume notices a file rewritten since (``StageRunner``)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
-                  max_prompt_tokens: int = 512) -> list[Example]:
-    """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal."""
+                  max_prompt_tokens: int = 512, digest=None) -> list[Example]:
+    """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal.
+    ``digest``: as for ``parse_rows`` (a stage's checkpoints record its data files' SHA-256)."""
     if on_bad_row not in OnBadRow.values():
         raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of {OnBadRow.values()}")
     examples, bad = [], 0
-    for row in parse_rows(path, domain, tokenizer, need_response=need_response, max_prompt_tokens=max_prompt_tokens):
+    for row in parse_rows(path, domain, tokenizer, need_response=need_response, max_prompt_tokens=max_prompt_tokens,
+                          digest=digest):
         if isinstance(row, DataError):
             if on_bad_row == "error":
                 raise row

@@ -17,6 +17,7 @@ from typing import Optional
 from megatron_cascade.cascade.data import DataError, parse_rows
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.config import ConfigError, RunConfig
+from megatron_cascade.config.loader import start_stage
 from megatron_cascade.stages import stage_class
 
 ROWS_CHECKED = 100  # rows of each data file parsed up front (the whole file is read when its stage starts)
@@ -57,7 +58,7 @@ def _missing_predecessors(cfg: RunConfig, manifest: Manifest, to_run: list[int])
     problems = []
     for index in to_run:
         stage = cfg.stages[index]
-        needed = [stage.init_from or cfg.stages[index - 1].name] if index > 0 else []
+        needed = [name for name in [start_stage(cfg, index)] if name is not None]
         needed += [t for t in stage.teachers.values() if t in names]
         for name in dict.fromkeys(needed):
             if not manifest.is_complete(name):

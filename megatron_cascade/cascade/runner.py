@@ -42,15 +42,17 @@ def build_run_tokenizer(cfg: RunConfig):
     return tokenizer
 
 
-def build_context(cfg: RunConfig, tokenizer=None) -> RunContext:
-    """Tokenizer, manifest, eval sets and rewards for a run (distributed must be initialised)."""
+def build_context(cfg: RunConfig, tokenizer=None, allowed_changes: Sequence[str] = ()) -> RunContext:
+    """Tokenizer, manifest, eval sets and rewards for a run (distributed must be initialised);
+    ``allowed_changes``: the run's ``--allow-config-change`` keys."""
     tokenizer = tokenizer if tokenizer is not None else build_run_tokenizer(cfg)
     eval_domains = sorted(d for d, spec in cfg.domains.items() if spec.eval)
     eval_sets = {d: load_examples(cfg.domains[d].eval, d, tokenizer, on_bad_row=cfg.data.on_bad_row,
                                   max_prompt_tokens=cfg.data.max_prompt_tokens) for d in eval_domains}
     rewards = build_domain_rewards(cfg.domains, eval_domains)
     return RunContext(cfg, tokenizer, Manifest(cfg.output_dir),
-                      PreemptionWatch(margin_s=cfg.checkpoint.time_limit_margin_s), eval_sets, rewards)
+                      PreemptionWatch(margin_s=cfg.checkpoint.time_limit_margin_s), eval_sets, rewards,
+                      allowed_changes=tuple(allowed_changes))
 
 
 def _write_run_files(cfg: RunConfig) -> None:
@@ -130,8 +132,7 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
         lock = _prepare_output_dir(cfg, allow_config_change)
         if is_main_rank():
             log.info("layout: %s", layout)
-        ctx = build_context(cfg, tokenizer)
-        ctx.allowed_changes = tuple(allow_config_change)
+        ctx = build_context(cfg, tokenizer, allow_config_change)
         names = [s.name for s in cfg.stages]
         if is_main_rank() and ctx.manifest.data.get("stage_order") != names:
             ctx.manifest.record("stage_order", names)

@@ -8,6 +8,7 @@ distill)), one optimizer step (``training.optimize_on_batch``), log, checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.cascade.data import Example, PromptMixer, file_digest, load_examples
+from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
 from megatron_cascade.cascade.evaluation import DomainEval, data_parallel, evaluate_detailed
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
@@ -24,6 +25,7 @@ from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main
 from megatron_cascade.cascade.step_metrics import rollout_metrics
 from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE
 from megatron_cascade.config.model import ConfigError, DecodeParallelConfig
+from megatron_cascade.config.loader import start_stage
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.stages import stage_class
 from megatron_cascade.stages.registry import stage_type
@@ -78,9 +80,9 @@ def _reseed(seed: int) -> None:
 def start_weights(ctx: RunContext, index: int) -> str | None:
     """Where stage ``index`` starts from: its ``init_from`` stage's final weights (default: the
     previous stage's), or init_checkpoint for the first stage."""
-    if index == 0:
+    previous = start_stage(ctx.cfg, index)
+    if previous is None:
         return ctx.cfg.init_checkpoint
-    previous = ctx.cfg.stages[index].init_from or ctx.cfg.stages[index - 1].name
     path = ctx.manifest.final_weights(previous)
     if path is None:
         raise RuntimeError(f"stage {ctx.cfg.stages[index].name!r} starts from stage {previous!r}, "
@@ -128,19 +130,20 @@ class StageRunner:
         if self.start_path is not None:
             load_policy_weights(self.policy, self.start_path)  # fp32 masters too, not only the model
         self.kind.setup()  # before a resume overwrites the policy: a KL reference is the stage's start
+        digests = {d: hashlib.sha256() for d in self.stage.domains}  # fed by the one read of each file
+        self.datasets = {d: load_examples(self.kind.data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
+                                          need_response=self.kind.needs_response,
+                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens, digest=digests[d])
+                         for d in self.stage.domains}
+        self.data_record = {d: {"path": self.kind.data_file(d), "sha256": digests[d].hexdigest()}
+                            for d in self.stage.domains}
         latest = agreed_latest(self.ckpt_root)  # rank 0's view: ranks on other nodes may lag
         first_step = 0
-        self.data_record = {d: {"path": self.kind.data_file(d), "sha256": file_digest(self.kind.data_file(d))}
-                            for d in self.stage.domains}
         if latest is not None:
             state = load_training_checkpoint(latest, self.policy)
             log.info("stage %s: resuming from %s (step %d)", self.stage.name, latest, state["step"])
             first_step = int(state["step"])
             self._check_data_unchanged(state.get("data") or {}, first_step)
-        self.datasets = {d: load_examples(self.kind.data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
-                                          need_response=self.kind.needs_response,
-                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens)
-                         for d in self.stage.domains}
         self.mixer = PromptMixer(self.datasets, self.stage.domains, seed=self.cfg.seed + 7919 * self.index)
         return first_step
 

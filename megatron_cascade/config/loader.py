@@ -11,7 +11,7 @@ import difflib
 import os
 import re
 from dataclasses import fields, is_dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -286,6 +286,14 @@ def _validate_teachers(stage: StageConfig, earlier: list[str], where: str, check
         elif teacher not in earlier:
             raise ConfigError(f"{where}: teachers.{domain}={teacher!r} is neither an earlier stage "
                               f"(earlier: {earlier}) nor a checkpoint folder")
+
+
+def start_stage(cfg: RunConfig, index: int) -> Optional[str]:
+    """The earlier stage whose final weights stage ``index`` starts from: its ``init_from``, default the
+    previous stage; None for the first stage (it starts from ``init_checkpoint``)."""
+    if index == 0:
+        return None
+    return cfg.stages[index].init_from or cfg.stages[index - 1].name
 
 
 def resolve_stage(cfg: RunConfig, stage: StageConfig) -> ResolvedStage:

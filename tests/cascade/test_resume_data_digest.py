@@ -41,10 +41,8 @@ def _resume_worker(tmp: str) -> dict:
     stage = resolve_stage(cfg, cfg.stages[0])
 
     def resume(allowed=()):
-        ctx = build_context(cfg)
-        ctx.allowed_changes = tuple(allowed)
         try:
-            return StageRunner(ctx, 0, stage)._build()
+            return StageRunner(build_context(cfg, allowed_changes=allowed), 0, stage)._build()
         except ConfigError as exc:
             return f"ConfigError: {exc}"
 
