@@ -2,19 +2,24 @@
 
 This file is *not* imported by the package; its source text is passed to a fresh interpreter with
 ``-c`` (so that the package folder, which holds ``math.py`` / ``code.py``, never lands on
-``sys.path``). It starts as root, a child of the trainer, and:
+``sys.path``). It starts as a child of the trainer -- as root, or (``userns``) as the trainer's own
+unprivileged uid -- and:
 
 1. arms ``PR_SET_PDEATHSIG`` = SIGKILL and checks that its parent is still the trainer (a trainer
    SIGKILLed a moment earlier must not leave it running);
-2. ``isolate``: unshares the mount, network, IPC, UTS and PID namespaces and forks the namespace's
-   init, which re-arms the death signal (its parent is this launcher, which waits and passes the
+2. ``isolate``: unshares the mount, network, IPC, UTS and PID namespaces -- and with ``userns`` a
+   user namespace first, which owns them and maps exactly one uid and gid (the trainer's own, so
+   nothing of the host gains a new owner) and gives the launcher the capabilities to build the box
+   inside it only -- and forks the namespace's init, which re-arms the death signal (its parent is this launcher, which waits and passes the
    exit status on) and builds a minimal root on a size-capped tmpfs: read-only bind mounts of the
    interpreter and system libraries only, ``/dev/{null,zero,full,random,urandom}``, a fresh
    ``/proc``, the writable work dir and ``/tmp`` (both on that tmpfs, so ``disk_bytes`` caps
    them together); then ``pivot_root`` there and detaches the host's file system;
-3. drops privileges to the per-program uid, joins a fresh session keyring (the trainer's keys
-   stay out of reach), sets ``no_new_privs``, re-arms the death signal (a uid change clears it),
-   sets the rlimits, installs the seccomp filter (bytes built by ``_sandbox_seccomp``) and
+3. empties its capability bounding set, drops privileges to the per-program uid (as root; with
+   ``userns`` the one mapped uid is not 0 there, so ``execve`` leaves it no capability), joins a
+   fresh session keyring (the trainer's keys stay out of reach), sets ``no_new_privs``, re-arms the
+   death signal (a uid change clears it), sets the rlimits, installs the seccomp filter (bytes built
+   by ``_sandbox_seccomp``) and
 4. ``execve``s the program with a scrubbed environment: it is the init of its PID namespace, so
    when it ends, is killed, or the trainer dies, every process it started dies with it.
 
@@ -38,10 +43,14 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 22, 24, 38
+# Mount flags a user namespace may not clear from a mount it did not make (statvfs's ST_* = MS_*):
+# a bind's remount must repeat them (nosuid, nodev, noexec, read-only, the atime flags).
+_LOCKED_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | 4096
 SECCOMP_MODE_FILTER = 2
 KEYCTL_JOIN_SESSION_KEYRING = 1
 _SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_root": 41, "keyctl": 219}}
@@ -99,7 +108,7 @@ def _bind(source, target, kind, readonly):
         open(target, "a").close()
     _mount(source, target, None, MS_BIND | MS_REC)
     flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_RDONLY | MS_NODEV if readonly else 0)
-    _mount(None, target, None, flags)
+    _mount(None, target, None, flags | os.statvfs(target).f_flag & _LOCKED_FLAGS)
 
 
 def _build_root(cfg):
@@ -130,6 +139,22 @@ def _build_root(cfg):
     os.chdir("/")
 
 
+def _map_own_ids(uid, gid):
+    """In a fresh user namespace: map the one uid and gid we are outside to the same ids inside."""
+    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                       ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+
+
+def _empty_bounding_set():
+    """No capability can be gained back (file capabilities, setuid binaries) after the drop."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "prctl(CAPBSET_DROP)")
+
+
 def _drop_privileges(uid, gid):
     if uid < 0:
         return
@@ -155,6 +180,8 @@ def _set_rlimits(limits):
 def _exec_program(cfg, parent_alive):
     """Steps 3-4 (in the namespaces when isolating); never returns."""
     os.chdir(cfg["workdir"])
+    if cfg["isolate"]:
+        _empty_bounding_set()
     _drop_privileges(cfg["uid"], cfg["gid"])
     if cfg["isolate"]:
         _syscall("keyctl", KEYCTL_JOIN_SESSION_KEYRING, None)  # fresh, anonymous: no trainer keys
@@ -187,12 +214,16 @@ def main():
         _arm_death_signal(lambda: os.getppid() == cfg["parent_pid"])
         if not cfg["isolate"]:
             _exec_program(cfg, lambda: os.getppid() == cfg["parent_pid"])
+        flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
+        outside = (os.geteuid(), os.getegid())
         try:
-            _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID),
-                   "unshare")
+            _check(_libc.unshare(flags | (CLONE_NEWUSER if cfg["userns"] else 0)), "unshare")
         except OSError as e:
-            _die("cannot create the mount/network/IPC/UTS/PID namespaces (%s): needs CAP_SYS_ADMIN "
-                 "and a seccomp profile that allows unshare" % e)
+            _die("cannot create the %smount/network/IPC/UTS/PID namespaces (%s): needs %s and a seccomp "
+                 "profile that allows unshare" % (("user/", e, "unprivileged user namespaces") if cfg["userns"]
+                                                   else ("", e, "CAP_SYS_ADMIN")))
+        if cfg["userns"]:
+            _map_own_ids(*outside)
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid:

@@ -1,7 +1,9 @@
 """Process sandbox for running untrusted (model-written) programs.
 
 Isolated mode (the only one the code reward uses unless its config allows the unsafe one):
-each program runs under :mod:`._sandbox_init`, which, as root, gives it
+each program runs under :mod:`._sandbox_init`, which gives it the layers below -- as root with a
+uid of its own per program, or, for a trainer that is not root, inside an unprivileged **user
+namespace** that maps one uid (the trainer's own; see "Without root" below):
 
 * **a minimal root**: a tmpfs holding read-only bind mounts of the interpreter and the system
   libraries only (``/usr/lib``, ``/lib*``, the stdlib), five ``/dev`` nodes, a fresh ``/proc``,
@@ -25,8 +27,22 @@ each program runs under :mod:`._sandbox_init`, which, as root, gives it
   the program (re-armed after every uid change), each checking that its parent still lives;
   and a wall-clock timeout after which the whole tree is SIGKILLed.
 
-It needs root with CAP_SYS_ADMIN, CAP_SETUID, CAP_SETGID and CAP_CHOWN on x86_64 or aarch64
-Linux (a privileged container). Where that cannot be had, :class:`CodeSandbox` raises
+As root it needs CAP_SYS_ADMIN, CAP_SETUID, CAP_SETGID and CAP_CHOWN on x86_64 or aarch64 Linux
+(a privileged container).
+
+Without root (a workstation, a login node) the launcher first unshares a user namespace, which owns
+the other namespaces and maps exactly one uid and gid: the trainer's own. Everything above holds
+the same way, except: the program runs as the trainer's uid (but sees no file, process, socket or
+IPC object of the host: they are outside its root and its namespaces), with an empty capability
+bounding set and no capability in the namespace once it is exec'd; ``RLIMIT_NPROC`` counts per
+(user namespace, uid) (Linux >= 5.14), so it is ``max_processes`` + 1 for the launcher, which
+waits in the namespace; and programs of one node are not told apart by uid (each has its own
+namespaces, so they cannot see each other either). It needs unprivileged user namespaces, on by
+default on most distributions (off where ``kernel.unprivileged_userns_clone=0`` or
+``user.max_user_namespaces=0``; Ubuntu >= 23.10's AppArmor leaves such namespaces without
+capabilities unless ``kernel.apparmor_restrict_unprivileged_userns=0``).
+
+Where neither can be had, :class:`CodeSandbox` raises
 :class:`SandboxUnavailableError` naming what is missing (fail closed) unless it was built with
 ``allow_unsafe=True`` (the code reward's ``allow_unsafe_sandbox``), which warns once and falls back
 to the unsafe mode: rlimits, a scrubbed environment, a private work dir and, as root, the
@@ -201,6 +217,7 @@ def _interpreter_binds(python: str) -> tuple[tuple[str, str], ...]:
 _PROBE = """import json, os, socket
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
 print(json.dumps({"ifs": [n for _, n in socket.if_nameindex()], "uid": os.getuid(),
+                  "caps": [int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd")],
                   "seccomp": status["Seccomp"].strip(), "nnp": status["NoNewPrivs"].strip(),
                   "root": sorted(os.listdir("/")), "cwd_writable": os.access(".", os.W_OK)}))
 """
@@ -214,6 +231,7 @@ def _probe_failure(result: SandboxResult, workdir_top: str) -> str | None:
     allowed_root = {os.path.basename(p) for p in _SYSTEM_LIBRARY_DIRS} | {"usr", "etc", "dev", "proc", "tmp",
                                                                           workdir_top}
     checks = {"network namespace (only lo)": seen["ifs"] == ["lo"], "own uid": seen["uid"] != 0,
+              "empty capability sets": seen["caps"] == [0, 0, 0],
               "seccomp filter": seen["seccomp"] == "2", "no_new_privs": seen["nnp"] == "1",
               "minimal root": set(seen["root"]) <= allowed_root, "writable work dir": seen["cwd_writable"]}
     failed = [name for name, ok in checks.items() if not ok]
@@ -221,36 +239,69 @@ def _probe_failure(result: SandboxResult, workdir_top: str) -> str | None:
 
 
 _isolation_lock = threading.Lock()
-_isolation_problems: dict[tuple[str, int, int], str | None] = {}
+_isolation_problems: dict[tuple[str, int, int, int], str | None] = {}
 
 
 def isolation_problem(python: str, uid_base: int = 61000, uids_per_rank: int = 256) -> str | None:
     """What keeps the isolated mode from working here (None: it works); probed once per process
     and configuration.
 
-    Checked: root, the capabilities the launcher uses, a seccomp syscall table for this machine,
-    then a real probe program through the whole launcher (under a uid of the given range), asked
-    from inside what it sees.
+    Checked: as root the capabilities the launcher uses, else that unprivileged user namespaces are
+    on; a seccomp syscall table for this machine; then a real probe program through the whole
+    launcher (as root under a uid of the given range), asked from inside what it sees.
 
     Raises:
         SandboxUnavailableError: the uid range holds a real user's or group's id.
     """
-    key = (python, uid_base, uids_per_rank)
+    key = (python, uid_base, uids_per_rank, os.geteuid())
     with _isolation_lock:
         if key not in _isolation_problems:
-            _isolation_problems[key] = _find_isolation_problem(*key)
+            _isolation_problems[key] = _find_isolation_problem(*key[:3])
             if _isolation_problems[key] is None:
-                logger.info("code sandbox: isolated mode works (minimal root, namespaces, seccomp, own uids)")
+                logger.info("code sandbox: isolated mode works (minimal root, namespaces, seccomp; %s)",
+                            "own uids" if isolation_kind() == "root" else "in a user namespace")
         return _isolation_problems[key]
+
+
+def isolation_kind() -> str:
+    """How the isolated mode tells programs apart here: ``root`` (a uid per program) or ``user
+    namespace`` (a trainer that is not root: one mapped uid, the trainer's own)."""
+    return "root" if os.geteuid() == 0 else "user namespace"
+
+
+def _user_namespace_problem() -> str | None:
+    """Why this kernel refuses unprivileged user namespaces (None: nothing says it does)."""
+    for path in ("/proc/sys/kernel/unprivileged_userns_clone", "/proc/sys/user/max_user_namespaces"):
+        try:
+            with open(path) as f:
+                disabled = f.read().strip() == "0"
+        except OSError:
+            continue
+        if disabled:
+            return (f"the trainer does not run as root (euid {os.geteuid()}) and unprivileged user namespaces are "
+                    f"off ({path} = 0)")
+    return None
+
+
+def _apparmor_hint() -> str:
+    try:
+        with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
+            restricted = f.read().strip() == "1"
+    except OSError:
+        return ""
+    return (" (AppArmor gives unprivileged user namespaces no capabilities here: "
+            "kernel.apparmor_restrict_unprivileged_userns=1)") if restricted else ""
 
 
 def _find_isolation_problem(python: str, uid_base: int, uids_per_rank: int) -> str | None:
     if os.geteuid() != 0:
-        return (f"the trainer does not run as root (euid {os.geteuid()}): the sandbox needs root to build "
-                "namespaces and run each program under its own uid")
-    missing = _missing_capabilities()
-    if missing:
-        return f"the trainer lacks {', '.join(missing)} (Docker drops CAP_SYS_ADMIN by default)"
+        problem = _user_namespace_problem()
+        if problem is not None:
+            return problem
+    else:
+        missing = _missing_capabilities()
+        if missing:
+            return f"the trainer lacks {', '.join(missing)} (Docker drops CAP_SYS_ADMIN by default)"
     if platform.machine() not in _sandbox_seccomp.supported_machines():
         return (f"no seccomp syscall table for this machine ({platform.machine()}; supported: "
                 f"{', '.join(_sandbox_seccomp.supported_machines())})")
@@ -259,13 +310,17 @@ def _find_isolation_problem(python: str, uid_base: int, uids_per_rank: int) -> s
         result = box.run(Program(_PROBE), SandboxLimits(timeout_s=30))
     except (OSError, subprocess.SubprocessError) as e:
         return f"the isolation probe could not start: {e}"
-    return _probe_failure(result, tempfile.gettempdir().strip("/").split("/")[0])
+    problem = _probe_failure(result, tempfile.gettempdir().strip("/").split("/")[0])
+    if problem is not None and os.geteuid() != 0:
+        problem = f"the trainer does not run as root and its user-namespace sandbox failed: {problem}{_apparmor_hint()}"
+    return problem
 
 
 def _refusal(problem: str) -> str:
-    return (f"code sandbox unavailable: {problem}. Isolation needs root with CAP_SYS_ADMIN, CAP_SETUID, "
-            "CAP_SETGID and CAP_CHOWN on x86_64/aarch64 Linux, with unshare and mount allowed (a privileged "
-            "container, or docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined). Refusing to run "
+    return (f"code sandbox unavailable: {problem}. Isolation needs x86_64/aarch64 Linux and either, as a normal "
+            "user, unprivileged user namespaces (on by default on most distributions), or root with CAP_SYS_ADMIN, "
+            "CAP_SETUID, CAP_SETGID and CAP_CHOWN, with unshare and mount allowed (a privileged container, or docker "
+            "run --cap-add SYS_ADMIN --security-opt seccomp=unconfined). Refusing to run "
             "model-written programs without it. To run them unisolated anyway (trusted data only), set the code "
             "reward's `kwargs: {allow_unsafe_sandbox: true}`.")
 
@@ -466,9 +521,12 @@ def _runnable_by_anyone(path: str) -> bool:
     while head and head != os.path.dirname(head):
         folders.append(head)
         head = os.path.dirname(head)
-    if any(not os.stat(d).st_mode & stat.S_IXOTH for d in folders):
+    try:
+        if any(not os.stat(d).st_mode & stat.S_IXOTH for d in folders):
+            return False
+        mode = os.stat(real).st_mode
+    except OSError:  # a folder on the way we may not search
         return False
-    mode = os.stat(real).st_mode
     return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
 
 
@@ -479,10 +537,12 @@ def program_python() -> str:
     private folder (e.g. a pyenv build under /root, which a virtualenv links to): then the
     system's python3 is used (programs need only the standard library).
     """
-    if os.geteuid() != 0 or _runnable_by_anyone(sys.executable):
+    if os.geteuid() != 0 and os.access(sys.executable, os.X_OK):
+        return sys.executable  # the programs run as our own uid
+    if _runnable_by_anyone(sys.executable):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""):
-        if candidate and _runnable_by_anyone(candidate):
+        if candidate and _runnable_by_anyone(candidate) and os.access(candidate, os.X_OK):
             return candidate
     raise RuntimeError(f"no Python interpreter that an unprivileged user can run (checked {sys.executable} and "
                        "python3 on PATH): install the system python3 package for the code sandbox")
@@ -611,12 +671,16 @@ class CodeSandbox:
     def _launcher_config(self, root: str, workdir: str, source: str, limits: SandboxLimits, isolate: bool,
                          uid: int | None) -> dict:
         python = os.path.realpath(self.python)
+        userns = isolate and uid is None  # isolated without root (``run`` leases a uid as root)
         cfg = {
             "parent_pid": os.getpid(),
             "isolate": isolate,
+            "userns": userns,
             "uid": -1 if uid is None else uid,
             "gid": -1 if uid is None else uid,
-            "rlimits": _rlimits(limits, cap_nproc=uid is not None),
+            # Counted per uid (per user namespace and uid: the launcher there counts too); without
+            # either, the trainer's own processes would count.
+            "rlimits": _rlimits(limits, nproc=limits.max_processes + userns if uid is not None or userns else None),
             "argv": [python, "-I", "-B", os.path.join(workdir, "main.py")],
             "env": _clean_env(workdir),
             "workdir": workdir,
@@ -657,7 +721,7 @@ def _seccomp_hex() -> str:
     return _sandbox_seccomp.build_filter(platform.machine()).hex()
 
 
-def _rlimits(limits: SandboxLimits, cap_nproc: bool) -> dict[str, int]:
+def _rlimits(limits: SandboxLimits, nproc: int | None) -> dict[str, int]:
     mib = 1 << 20
     out = {
         "RLIMIT_CPU": int(limits.timeout_s) + 1,
@@ -666,8 +730,8 @@ def _rlimits(limits: SandboxLimits, cap_nproc: bool) -> dict[str, int]:
         "RLIMIT_NOFILE": limits.max_open_files,
         "RLIMIT_CORE": 0,
     }
-    if cap_nproc:  # counted per uid: only meaningful under the program's own uid
-        out["RLIMIT_NPROC"] = limits.max_processes
+    if nproc is not None:
+        out["RLIMIT_NPROC"] = nproc
     return out
 
 

@@ -1,13 +1,15 @@
 """The sandbox under the attacks of issue 13: each was reproduced against the old sandbox (it broke),
-then held. Every program here would pass its test only by getting out of the box.
+then held. Every program here would pass its test only by getting out of the box -- run by a root
+trainer (a uid per program) and by a normal user's (a user namespace, the trainer's own uid).
 
-These need the isolated sandbox (root with CAP_SYS_ADMIN: CI's privileged container); where it
-cannot be had they skip, and ``test_sandbox_fail_closed.py`` checks that the reward refuses instead.
+These need the isolated sandbox; where it cannot be had they skip, and
+``test_sandbox_fail_closed.py`` checks that the reward refuses instead.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import shutil
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import psutil
@@ -45,12 +48,6 @@ def box() -> CodeSandbox:
     return sandbox
 
 
-def _score(program: str, expected: str, **kwargs) -> float:
-    """Code-reward score of ``program`` when only printing ``expected`` passes."""
-    reward = build_reward("code", {"timeout_s": TIMEOUT_S, **kwargs})
-    return reward(f"```python\n{program}\n```", {"tests": [{"input": "", "output": expected}]})
-
-
 @pytest.fixture
 def host_dir():
     """A host folder that every user may read and write (only the sandbox's root hides it)."""
@@ -60,46 +57,47 @@ def host_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_host_test_data_is_invisible(box, host_dir, no_leftovers):
-    """Issue: a program read the reward's test data (readable by others) and scored 10/10."""
+def test_host_test_data_is_invisible(trainer, host_dir, no_leftovers):
+    """Issue: a program read the reward's test data (readable by others) and scored 10/10. Here the
+    data is the trainer's own file (0600): a normal user's programs share its uid."""
     data = os.path.join(host_dir, "hidden_tests.json")
     with open(data, "w") as f:
         f.write("ANSWER-4242")
-    os.chmod(data, 0o644)
-    assert _score(f"print(open({data!r}).read())", "ANSWER-4242") == 0.0
-    # Nothing of the host but the interpreter: not the repository, not /etc, not /root.
+    os.chmod(data, 0o600)
+    trainer.own(data)
+    assert trainer.score(f"print(open({data!r}).read())", "ANSWER-4242", timeout_s=TIMEOUT_S) == 0.0
+    # Nothing of the host but the interpreter: not the repository, not /etc, not /root, no other
+    # process (not the trainer's /proc/PID/environ).
     here = os.path.abspath(__file__)
-    probe = (f"import os\nfor p in ({here!r}, '/etc/passwd', '/etc/hostname', '/root', {host_dir!r}):\n"
-             "    print(p, os.path.exists(p))\n")
-    res = box.run(Program(probe), SandboxLimits(timeout_s=TIMEOUT_S))
+    probe = (f"import os\nfor p in ({here!r}, '/etc/passwd', '/etc/hostname', '/root', {host_dir!r}, "
+             f"'/proc/{trainer.pid}/environ', '/proc/{os.getpid()}'):\n"
+             "    print(p, os.path.exists(p))\n"
+             "print('pids', [p for p in os.listdir('/proc') if p.isdigit()])\n")
+    res = trainer.run(Program(probe), SandboxLimits(timeout_s=TIMEOUT_S))
     assert res.ok, res.stderr
     assert "True" not in res.stdout, res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "pids ['1']", res.stdout
 
 
-def _keyring_attack_script(program: str) -> str:
-    """A 'trainer' with a secret in its session keyring that scores ``program`` (given the key id)."""
+def _keyring_attack(program: str) -> dict | None:
+    """A 'trainer' with a secret in its session keyring scores ``program`` (given the key id); None
+    where this kernel gives the trainer no keyring."""
     nr = _NR[platform.machine()]
-    return textwrap.dedent(f"""
-        import ctypes, json, sys
-        from megatron_cascade.rewards import build_reward
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        if libc.syscall({nr['keyctl']}, 1, b"mc-trainer-session") <= 0:  # JOIN_SESSION_KEYRING
-            print("NO-KEYRING", ctypes.get_errno())
-            sys.exit(0)
-        key = libc.syscall({nr['add_key']}, b"user", b"mc-secret", b"TOKEN-SECRET-99", 15,
-                           ctypes.c_long(-3))
-        assert key > 0, ctypes.get_errno()
-        reward = build_reward("code", {{"timeout_s": {TIMEOUT_S}}})
-        program = {program!r}.replace("KEY", str(key))
-        score = reward("```python\\n" + program + "\\n```", {{"tests": [{{"input": "", "output": "TOKEN-SECRET-99"}}]}})
-        buf = ctypes.create_string_buffer(64)
-        still = libc.syscall({nr['keyctl']}, 11, ctypes.c_long(key), buf, 64)  # KEYCTL_READ
-        print(json.dumps({{"score": score, "key_readable_after": still == 15}}))
-    """)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(nr["keyctl"], 1, b"mc-trainer-session") <= 0:  # JOIN_SESSION_KEYRING
+        return None
+    key = libc.syscall(nr["add_key"], b"user", b"mc-secret", b"TOKEN-SECRET-99", 15, ctypes.c_long(-3))
+    assert key > 0, ctypes.get_errno()
+    reward = build_reward("code", {"timeout_s": TIMEOUT_S})
+    response = f"```python\n{program.replace('KEY', str(key))}\n```"
+    score = reward(response, {"tests": [{"input": "", "output": "TOKEN-SECRET-99"}]})
+    buf = ctypes.create_string_buffer(64)
+    still = libc.syscall(nr["keyctl"], 11, ctypes.c_long(key), buf, 64)  # KEYCTL_READ
+    return {"score": score, "key_readable_after": still == 15}
 
 
-def test_trainer_keyring_is_out_of_reach(box, no_leftovers):
+def test_trainer_keyring_is_out_of_reach(trainer, no_leftovers):
     """Issue: a program read -- and revoked -- a secret in the trainer's session keyring."""
     nr = _NR[platform.machine()]
     program = (
@@ -108,15 +106,13 @@ def test_trainer_keyring_is_out_of_reach(box, no_leftovers):
         f"n = libc.syscall({nr['keyctl']}, 11, ctypes.c_long(KEY), buf, 64)\n"
         f"libc.syscall({nr['keyctl']}, 3, ctypes.c_long(KEY))\n"  # KEYCTL_REVOKE
         "print(buf.value.decode() if n > 0 else 'no access')\n")
-    out = subprocess.run([sys.executable, "-c", _keyring_attack_script(program)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    if out.stdout.startswith("NO-KEYRING"):
-        pytest.skip(f"no kernel keyring for the trainer here (errno {out.stdout.split()[1]})")
-    assert out.stdout.strip().splitlines()[-1] == '{"score": 0.0, "key_readable_after": true}'
+    result = trainer.call_in_child(_keyring_attack, program)
+    if result is None:
+        pytest.skip("no kernel keyring for the trainer here")
+    assert result == {"score": 0.0, "key_readable_after": True}
 
 
-def test_dangerous_syscalls_are_refused(box, no_leftovers):
+def test_dangerous_syscalls_are_refused(trainer, no_leftovers):
     """Fresh keyring aside, seccomp refuses keyctl, ptrace, mount, bpf, namespaces, perf (EPERM)."""
     nr = _NR[platform.machine()]
     program = textwrap.dedent(f"""
@@ -149,7 +145,7 @@ def test_dangerous_syscalls_are_refused(box, no_leftovers):
             os._exit(0)
         os.waitpid(pid, 0)
     """).replace("platform.machine()", repr(platform.machine()))
-    res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
+    res = trainer.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
     assert res.ok, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 11, res.stdout
@@ -162,7 +158,7 @@ def _sysv_ipc(key: int) -> list[str]:
         return [line for line in f if line.split()[0] == str(key)]
 
 
-def test_ipc_objects_do_not_outlive_or_cross(box, no_leftovers):
+def test_ipc_objects_do_not_outlive_or_cross(trainer, no_leftovers):
     """Issue: SysV/POSIX IPC objects outlived the run (no IPC namespace)."""
     libc = ctypes.CDLL(None, use_errno=True)
     leak_key, host_key = 0x4D430001, 0x4D430002
@@ -173,7 +169,7 @@ def test_ipc_objects_do_not_outlive_or_cross(box, no_leftovers):
             "import ctypes\nlibc = ctypes.CDLL(None)\n"
             f"print('made', libc.shmget({leak_key}, 4096, 0o1666) >= 0)\n"
             f"print('host seen', libc.shmget({host_key}, 0, 0) >= 0)\n")
-        res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
+        res = trainer.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S))
         assert res.ok, res.stderr
         assert res.stdout.split("\n")[:2] == ["made True", "host seen False"], res.stdout
         assert _sysv_ipc(leak_key) == []
@@ -183,7 +179,7 @@ def test_ipc_objects_do_not_outlive_or_cross(box, no_leftovers):
                 libc.shmctl(int(line.split()[1]), 0, None)  # IPC_RMID
 
 
-def test_host_unix_socket_is_unreachable(box, host_dir, no_leftovers):
+def test_host_unix_socket_is_unreachable(trainer, host_dir, no_leftovers):
     """Issue: a file-system Unix socket on the host was reachable."""
     path = os.path.join(host_dir, "service.sock")
     with socket.socket(socket.AF_UNIX) as server:
@@ -192,13 +188,13 @@ def test_host_unix_socket_is_unreachable(box, host_dir, no_leftovers):
         server.listen(1)
         program = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\n"
                    f"s.connect({path!r})\nprint('PWNED')")
-        assert _score(program, "PWNED") == 0.0
+        assert trainer.score(program, "PWNED", timeout_s=TIMEOUT_S) == 0.0
         server.settimeout(0.2)
         with pytest.raises(socket.timeout):
             server.accept()
 
 
-def test_memory_limit_covers_the_process_tree(box, no_leftovers):
+def test_memory_limit_covers_the_process_tree(trainer, no_leftovers):
     """Issue: the memory limit was per process with 64 processes allowed (633 MiB under 160 MiB)."""
     program = textwrap.dedent("""
         import os, time
@@ -227,12 +223,12 @@ def test_memory_limit_covers_the_process_tree(box, no_leftovers):
             got = 0
         print(got * 20)
     """)
-    res = box.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S, memory_mb=160))
+    res = trainer.run(Program(program), SandboxLimits(timeout_s=TIMEOUT_S, memory_mb=160))
     assert res.ok, res.stderr
     assert int(res.stdout.strip()) <= 160, res.stdout
 
 
-def test_disk_limit_covers_workdir_and_tmp(box, no_leftovers):
+def test_disk_limit_covers_workdir_and_tmp(trainer, no_leftovers):
     """Issue: /tmp (and the work dir) filled past the per-file cap."""
     program = textwrap.dedent("""
         import os
@@ -250,7 +246,7 @@ def test_disk_limit_covers_workdir_and_tmp(box, no_leftovers):
         print(total)
     """)
     limits = SandboxLimits(timeout_s=10)
-    res = box.run(Program(program), limits)
+    res = trainer.run(Program(program), limits)
     assert res.ok, res.stderr
     assert 0 < int(res.stdout.strip()) <= limits.max_disk_mb, res.stdout
 
@@ -263,7 +259,7 @@ def _argv(p: psutil.Process) -> list[str]:
 
 
 # A program that also tries to clear its own death signal (seccomp refuses prctl(PR_SET_PDEATHSIG)).
-_CLEARS_DEATH_SIGNAL = "import ctypes\\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\\n"
+_CLEARS_DEATH_SIGNAL = "import ctypes\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n"
 
 
 def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -278,34 +274,48 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+def _start_sleeper(source: str) -> None:
+    """In the trainer: run ``source`` in the sandbox on a thread of its own (returns at once)."""
+    box = CodeSandbox(_backend="isolated")  # the fixture checked: no probe, so the one main.py is this program
+    threading.Thread(target=box.run, args=(Program(source), SandboxLimits(timeout_s=60)), daemon=True).start()
+
+
+_SLEEPING_TRAINER = """
+import sys, time
+from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits
+CodeSandbox(_backend="isolated").run(Program(sys.argv[1]), SandboxLimits(timeout_s=60))
+"""
+
+
 @pytest.mark.parametrize("prelude", ["", _CLEARS_DEATH_SIGNAL], ids=["plain", "clears-pdeathsig"])
-def test_programs_die_with_the_trainer(box, prelude, marker, processes_with):
+def test_programs_die_with_the_trainer(trainer, prelude, marker, processes_with, new_trainer):
     """Issue: when the trainer is SIGKILLed, sandboxed programs lived on."""
-    trainer = textwrap.dedent(f"""
-        from megatron_cascade.rewards.sandbox import CodeSandbox, Program, SandboxLimits
-        # isolated: no probe run first (the fixture checked), so the one main.py is this program
-        box = CodeSandbox(_backend="isolated")
-        box.run(Program("{prelude}import time\\ntime.sleep(60)  # {marker}"), SandboxLimits(timeout_s=60))
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", trainer])
+    source = f"{prelude}import time\ntime.sleep(60)  # {marker}"
+    if trainer.kind == "this":  # a trainer of our kind to kill: a child process
+        proc = subprocess.Popen([sys.executable, "-c", _SLEEPING_TRAINER, source])
+        pid, alive, reap = proc.pid, lambda: proc.poll() is None, lambda: proc.wait(timeout=10)
+    else:  # a normal user's trainer of its own (the shared one serves other tests)
+        victim = new_trainer("user")
+        victim.call(_start_sleeper, source)
+        pid, alive, reap = victim.pid, lambda: victim._proc.is_alive(), lambda: victim._proc.join(10)
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
         # Wait for the program itself (its argv ends in main.py), a descendant of this trainer.
         while not any(_argv(p)[-1:] and _argv(p)[-1].endswith("main.py") for p in tree):
-            assert time.monotonic() < deadline and proc.poll() is None, "the program never started"
+            assert time.monotonic() < deadline and alive(), "the program never started"
             time.sleep(0.05)
-            tree = psutil.Process(proc.pid).children(recursive=True)
+            tree = psutil.Process(pid).children(recursive=True)
         time.sleep(1.0)  # the program's prelude has run
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        os.kill(pid, signal.SIGKILL)
+        reap()
         deadline = time.monotonic() + 5
         while _running(tree):
             assert time.monotonic() < deadline, [_argv(p) for p in _running(tree)]
             time.sleep(0.05)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if alive():
+            os.kill(pid, signal.SIGKILL)
         # This test's sandbox tree only, never another run's sandboxes on the machine; one may exit
         # between the listing and the kill.
         for p in tree + processes_with(marker):
@@ -352,11 +362,15 @@ def test_a_uid_held_by_another_process_is_not_reused(box, no_leftovers):
         os.close(fd)
 
 
-def test_fork_hog_does_not_zero_a_neighbour(box, no_leftovers):
-    """Issue: one program's fork hog (same uid) zeroed another's correct answer."""
+def _hog_and_neighbours() -> list[str]:
     hog = ("import os, time\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
            "            time.sleep(2)\n            os._exit(0)\n    except OSError:\n        pass\ntime.sleep(2)\n")
     good = "import time\ntime.sleep(0.3)\nprint(int(input()) * 2)"
     programs = [Program(hog)] + [Program(good, "21")] * 2
     results = CodeSandbox(max_workers=3).run_many(programs, SandboxLimits(timeout_s=TIMEOUT_S))
-    assert [r.stdout.strip() for r in results[1:]] == ["42", "42"], results
+    return [r.stdout.strip() for r in results[1:]]
+
+
+def test_fork_hog_does_not_zero_a_neighbour(trainer, no_leftovers):
+    """Issue: one program's fork hog (same uid) zeroed another's correct answer."""
+    assert trainer.call(_hog_and_neighbours) == ["42", "42"]
