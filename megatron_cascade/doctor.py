@@ -223,14 +223,17 @@ def run_doctor(config: Optional[str], overrides: list[str]) -> int:
 
 def _sandbox_line() -> str:
     """Which code-sandbox mode this machine gives (``rewards/sandbox.py``)."""
-    from megatron_cascade.rewards.sandbox import SandboxUnavailableError, isolation_problem, program_python
+    from megatron_cascade.rewards.sandbox import (SandboxUnavailableError, isolation_kind, isolation_problem,
+                                                  program_python)
 
     try:
         problem = isolation_problem(program_python())
     except SandboxUnavailableError as exc:
         problem = str(exc)
     if problem is None:
-        return "code sandbox: isolated mode works here (namespaces, seccomp, a uid per program)"
+        how = ("a uid per program" if isolation_kind() == "root"
+               else "in an unprivileged user namespace: the programs run as your uid, which is all the namespace maps")
+        return f"code sandbox: isolated mode works here (namespaces, seccomp, {how})"
     return (f"code sandbox: isolated mode unavailable ({problem}); model-written programs run only where a "
             "domain sets allow_unsafe_sandbox: true (rlimits only)")
 

@@ -3,10 +3,10 @@ normal user, and a leftover-process check."""
 
 from __future__ import annotations
 
+import grp
 import multiprocessing
 import os
 import pwd
-import grp
 import shutil
 import signal
 import tempfile
@@ -122,7 +122,7 @@ class SandboxTrainer:
         """``fn(*args)`` in the trainer (a module-level function: it is pickled by name)."""
         if self._conn is None:
             return fn(*args)
-        self._conn.send((tempfile.gettempdir(), dict(os.environ), fn, args))
+        _send(self._conn, fn, tempfile.gettempdir(), dict(os.environ), args)
         ok, value = self._conn.recv()
         if not ok:
             raise value
@@ -152,10 +152,17 @@ class SandboxTrainer:
 
     def close(self) -> None:
         if self._proc is not None and self._proc.is_alive():
-            self._conn.send(None)
+            _send(self._conn, None)
             self._proc.join(10)
             if self._proc.is_alive():
                 self._proc.kill()
+
+
+def _send(conn, fn: Callable[..., Any] | None, *payload: Any) -> None:
+    """This file's functions travel by name (every ``conftest.py`` is a module called ``conftest``,
+    so pickle's lookup by module name would find another); others (test modules') by pickle."""
+    here = getattr(getattr(fn, "__code__", None), "co_filename", None) == __file__
+    conn.send(None if fn is None else (*payload, fn.__name__ if here else fn))
 
 
 def run_in_fork(fn: Callable[..., Any], *args: Any) -> Any:
@@ -201,7 +208,8 @@ def _serve_as_user(conn, uid: int, python: str) -> None:
         request = conn.recv()
         if request is None:
             return
-        tempdir, environ, fn, args = request
+        tempdir, environ, args, fn = request
+        fn = globals()[fn] if isinstance(fn, str) else fn
         tempfile.tempdir = tempdir
         os.environ.clear()
         os.environ.update(environ)

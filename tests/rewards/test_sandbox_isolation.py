@@ -362,6 +362,24 @@ def test_a_uid_held_by_another_process_is_not_reused(box, no_leftovers):
         os.close(fd)
 
 
+def test_process_limit_is_exact(trainer, no_leftovers):
+    """max_processes counts the program and all it starts, for either trainer (a user namespace's
+    launcher counts there too, so its limit is one higher)."""
+    program = ("import os, time\nn = 0\nfor _ in range(20):\n    try:\n        if os.fork() == 0:\n"
+               "            time.sleep(1)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+               "        break\nprint(n)\n")
+    for processes in (3, 6):
+        res = trainer.call(_run_in_fresh_uids, Program(program), SandboxLimits(timeout_s=TIMEOUT_S,
+                                                                               max_processes=processes))
+        assert res.ok and res.stdout.strip() == str(processes - 1), (processes, res)
+
+
+def _run_in_fresh_uids(program: Program, limits: SandboxLimits):
+    # As root the count is per uid, machine-wide: another test's killed program may still be a
+    # zombie of the default range (PID 1 reaps it in its own time).
+    return CodeSandbox(uid_base=62000, uids_per_rank=16).run(program, limits)
+
+
 def _hog_and_neighbours() -> list[str]:
     hog = ("import os, time\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
            "            time.sleep(2)\n            os._exit(0)\n    except OSError:\n        pass\ntime.sleep(2)\n")
