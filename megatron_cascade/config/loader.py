@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_cascade.config.rules import ConfigError, validate_tree
 from megatron_cascade.config.schema import ResolvedStage, RolloutConfig, RunConfig, StageConfig
+from megatron_cascade.config.unknown_keys import key_lines, unknown_keys
 from megatron_cascade.config.training import (
     LossConfig, OptimizerConfig, TrainingConfig, validate_optimizer_config,
 )
@@ -28,6 +29,9 @@ from megatron_cascade.config.yaml_safety import (
 from megatron_cascade.stages.registry import STAGE_TYPES, stage_type
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# The key a validation error is about: "stages[1].steps=0 ...", "stages[1] (if_rl): rollout.top_p=2 ...".
+_VALUE_KEY = re.compile(r"(?:stages\[(\d+)\](?: \([^)]*\))?(?::\s*|\.))?([A-Za-z_][\w.]*)=")
+_MORE_KEYS = re.compile(r"(?<![\w.'\"])([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+)=")
 _ENUM_REFUSAL = re.compile(r"Invalid value '(.*)', expected one of \[(.*)\]")
 _STAGE_SECTIONS = {"optimizer": OptimizerConfig, "loss": LossConfig, "training": TrainingConfig,
                    "rollout": RolloutConfig}
@@ -41,28 +45,75 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     Raises ``ConfigError`` with the file, key and a hint.
     """
     top = os.path.abspath(path)
-    raw = _read_with_includes(top, seen=(), top_folder=os.path.dirname(top))
+    texts: list[tuple[str, str]] = []  # (file, its YAML) in merge order
+    raw = _read_with_includes(top, seen=(), top_folder=os.path.dirname(top), texts=texts)
+    _refuse_unknown_keys(raw, texts, shown=path if len(texts) == 1 else None)
     schema = OmegaConf.structured(RunConfig)
     merged = _merge(schema, raw, source=path)
-    for item in overrides:
-        _apply_override(merged, item)
+    overridden = {_apply_override(merged, item): item for item in overrides}
     check_interpolations(OmegaConf.to_container(merged, resolve=False), source=path)
     try:
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, path) from None
-    validate_run(cfg, source=path, check_paths=check_paths)
+    try:
+        validate_run(cfg, source=path, check_paths=check_paths)
+    except ConfigError as exc:
+        raise ConfigError(_with_origin(str(exc), path, texts, overridden)) from None
     return cfg
 
 
-def _read_with_includes(path: str, seen: tuple, top_folder: str) -> DictConfig:
+def _with_origin(message: str, path: str, texts: list[tuple[str, str]], overridden: dict[str, str]) -> str:
+    """``message`` (``"<path>: <key>=<value> ..."``) led by where the value came from: the
+    command-line override that set it, else the ``file:line`` that wrote it (else ``path``)."""
+    rest = message[len(path) + 2:] if message.startswith(f"{path}: ") else message
+    match = _VALUE_KEY.match(rest)
+    if match is None:
+        return message
+    stage = f"stages.{match.group(1)}." if match.group(1) else ""
+    # Every "key=" of the message (a rule between keys names several): an overridden one is to blame.
+    keys = [stage + match.group(2)] + [key if key.startswith("model.") else stage + key  # the model is run-wide
+                                       for key in _MORE_KEYS.findall(rest[match.end():])]
+    for key in keys:
+        for set_key, item in reversed(list(overridden.items())):
+            if key == set_key or key.startswith(set_key + ".") or set_key.startswith(key + "."):
+                return f"command-line override {item!r}: {rest}"
+    key_path = tuple(keys[0].split("."))
+    for file, text in reversed(texts):
+        line = key_lines(text).get(key_path)
+        if line is not None:
+            return f"{path if len(texts) == 1 else file}:{line}: {rest}"
+    return message
+
+
+def _refuse_unknown_keys(raw: DictConfig, texts: list[tuple[str, str]], shown: Optional[str]) -> None:
+    """One ``ConfigError`` naming every unknown key of the YAML files, each at its ``file:line``
+    (``shown`` names the one file as the user wrote it)."""
+    found = unknown_keys(OmegaConf.to_container(raw, resolve=False), RunConfig, dict_sections=_STAGE_SECTIONS)
+    if not found:
+        return
+    lines = [(shown or file, key_lines(text)) for file, text in texts]
+    problems = []  # (file's merge order, line, message): reported in the order they were written
+    for key_path, hint in found:
+        index, file, line = next(((i, file, at[key_path]) for i, (file, at) in reversed(list(enumerate(lines)))
+                                  if key_path in at), (len(lines) - 1, lines[-1][0], 0))
+        where = f"{file}:{line}" if line else file
+        problems.append((index, line, f"{where}: unknown config key '{'.'.join(key_path)}'{hint}"))
+    problems = [message for _, _, message in sorted(problems)]
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    raise ConfigError(f"{len(problems)} unknown config keys:\n  " + "\n  ".join(problems))
+
+
+def _read_with_includes(path: str, seen: tuple, top_folder: str, texts: list[tuple[str, str]]) -> DictConfig:
     if path in seen:
         raise ConfigError(f"{path}: 'defaults' includes form a cycle: {' -> '.join(seen + (path,))}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            check_yaml_size(f.read(), path)
+            text = f.read()
+        check_yaml_size(text, path)
         node = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
@@ -75,7 +126,8 @@ def _read_with_includes(path: str, seen: tuple, top_folder: str) -> DictConfig:
     base = OmegaConf.create({})
     for include in includes:
         child = include_path(path, include, top_folder)
-        base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,), top_folder))
+        base = OmegaConf.merge(base, _read_with_includes(child, seen + (path,), top_folder, texts))
+    texts.append((path, text))
     return OmegaConf.merge(base, node)
 
 
@@ -111,7 +163,8 @@ def _merge(schema: DictConfig, raw: DictConfig, source: str) -> DictConfig:
         raise _config_error(exc, source) from None
 
 
-def _apply_override(cfg: DictConfig, item: str) -> None:
+def _apply_override(cfg: DictConfig, item: str) -> str:
+    """Apply ``key=value``; returns the key with stages by index (``stages.1.steps``)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key.sub=value")
     key, text = item.split("=", 1)
@@ -123,6 +176,7 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         OmegaConf.update(cfg, key, value, merge=True)
     except OmegaConfBaseException as exc:
         raise _config_error(exc, f"command-line override {item!r}") from None
+    return key
 
 
 def _open_stage_section(cfg: DictConfig, key: str) -> None:

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 
 import pytest
 from cascade_fixtures import run_cli, write_short_config
@@ -11,6 +12,8 @@ from megatron_cascade.cascade.data import DataError, load_examples
 from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, VocabularyMismatch, check_teacher_vocabulary
 from megatron_cascade.config import ConfigError, ModelConfig, load_config
 from megatron_cascade.tokenizers import build_tokenizer
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_cascade", "cascade.yaml")
 
 
 @pytest.fixture
@@ -143,3 +146,49 @@ def test_teacher_with_another_vocabulary_is_refused(tmp_path):
         check_teacher_vocabulary(_fake_teacher(tmp_path / "big", 256, tok), student, tok, "teachers.math")
     with pytest.raises(VocabularyMismatch, match="trained with another tokenizer"):
         check_teacher_vocabulary(_fake_teacher(tmp_path / "other", 128, "f" * 64), student, tok, "teachers.math")
+
+
+def test_every_unknown_yaml_key_in_one_report_at_its_line(tmp_path):
+    """Issue 28: only the first of several YAML typos was reported per run, with no line."""
+    base = tmp_path / "base.yaml"
+    base.write_text("output_dir: x\nmodel:\n  num_layers: 2\n  hiden_size: 8\nstages: []\n")
+    path = tmp_path / "bad.yaml"
+    path.write_text("defaults: [base.yaml]\n"
+                    "model: {num_layer: 2}\n"
+                    "stages:\n"
+                    "  - name: a\n"
+                    "    type: sft\n"
+                    "    stpes: 3\n"
+                    "    optimizer: {lrr: 1}\n"
+                    "    rollout: {parallel: {tensr_model_parallel_size: 2}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).splitlines() == [
+        "5 unknown config keys:",
+        f"  {base}:4: unknown config key 'model.hiden_size' (did you mean 'hidden_size'?)",
+        "  bad.yaml:2: unknown config key 'model.num_layer' (did you mean 'num_layers'?)".replace("bad.yaml", str(path)),
+        f"  {path}:6: unknown config key 'stages.0.stpes' (did you mean 'steps'?)",
+        f"  {path}:7: unknown config key 'stages.0.optimizer.lrr' (did you mean 'lr'?)",
+        f"  {path}:8: unknown config key 'stages.0.rollout.parallel.tensr_model_parallel_size' "
+        "(did you mean 'tensor_model_parallel_size'?)",
+    ]
+
+
+@pytest.mark.parametrize("overrides,origin", [
+    (["stages.if_rl.steps=0"], "command-line override 'stages.if_rl.steps=0': stages[1].steps=0 must be >= 1"),
+    (["stages.if_rl.rollout.temperature=-1"], "command-line override 'stages.if_rl.rollout.temperature=-1': "
+                                              "stages[1] (if_rl): rollout.temperature=-1.0 must be > 0"),
+    (["seed=3", "optimizer.lr=-1"], "command-line override 'optimizer.lr=-1': optimizer.lr=-1.0 must be >= 0"),
+])
+def test_a_bad_value_names_the_override_that_set_it(overrides, origin):
+    """Issue 28: a command-line value was blamed on the YAML file."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    assert str(err.value).startswith(origin), str(err.value)
+
+
+def test_a_bad_yaml_value_names_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"defaults: [{TINY}]\nseed: 2\nrollout:\n  temperature: -2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:4: rollout.temperature=-2.0 must be > 0")):
+        load_config(str(path))

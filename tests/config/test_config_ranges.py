@@ -8,6 +8,8 @@ import dataclasses
 import typing
 from pathlib import Path
 
+import re
+
 import pytest
 
 from megatron_cascade.config import ConfigError, RunConfig, load_config
@@ -86,14 +88,16 @@ BAD = [
 @pytest.mark.parametrize("overrides,message", BAD, ids=[o if isinstance(o, str) else " ".join(o) for o, _ in BAD])
 def test_bad_value_is_refused_at_load_naming_file_key_and_reason(overrides, message):
     overrides = [overrides] if isinstance(overrides, str) else list(overrides)
-    with pytest.raises(ConfigError, match=r"ci\.yaml: .*" + message):
+    # The value's origin leads (issue 28: a command-line value was blamed on the YAML file).
+    origin = "|".join(re.escape(f"command-line override {item!r}: ") for item in overrides)
+    with pytest.raises(ConfigError, match=f"^({origin}|{re.escape(CI)}: ).*" + message):
         load_config(CI, overrides, check_paths=False)
 
 
 def test_bad_value_in_the_yaml_file_is_refused_naming_that_file(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(f"defaults: [{CI}]\nrollout: {{temperature: 0.7, top_p: 1.5}}\n")
-    with pytest.raises(ConfigError, match=r"mine\.yaml: rollout.top_p=1.5 must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"mine\.yaml:2: rollout.top_p=1.5 must be in \(0, 1\]"):
         load_config(str(path), check_paths=False)
 
 
