@@ -15,33 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
 from megatron_cascade.config import ConfigError, RunConfig, load_config
-
-
-class _LibraryInfoFilter(logging.Filter):
-    """Drops megatron-core's INFO records that it logs on the root logger (``logging.info(...)``:
-    "DynamicInferenceContext: allocated context ..." at every generate call, inside the progress bar);
-    its warnings and errors pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}megatron{os.sep}core{os.sep}" not in record.pathname
-
-
-def _setup_logging() -> None:
-    rank = os.environ.get("RANK", "0")
-    level = logging.INFO if rank == "0" else logging.WARNING
-    logging.basicConfig(level=level, format=f"[%(asctime)s r{rank} %(name)s] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_LibraryInfoFilter())
-    from megatron_cascade.cpu_runtime import silence_cpu_warnings
-
-    silence_cpu_warnings()
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+from megatron_cascade.run_logging import setup_console_logging
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -110,6 +88,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-cascade", description="Cascade RL and MOPD on Megatron-Core.")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run (or resume) the cascade of a config")
     run.add_argument("config", help="the run's YAML config (examples/tiny_cascade/cascade.yaml, ...)")
@@ -142,7 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_cascade.convert.cli import register
 
     register(sub)
+    _accept_verbose_anywhere(sub)
     return parser
+
+
+_VERBOSE_HELP = ("show every library's INFO records and warnings on the console (by default they go only to "
+                 "OUTPUT_DIR/logs/rank<R>.log)")
+
+
+def _accept_verbose_anywhere(sub: argparse._SubParsersAction) -> None:
+    """``--verbose`` after the subcommand too (``run CONFIG --verbose``)."""
+    for parser in sub.choices.values():
+        parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_verbose_anywhere(action)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -160,7 +153,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    _setup_logging()
+    setup_console_logging(show_everything=args.verbose)
     from megatron_cascade.cascade.data import DataError
     from megatron_cascade.cascade.run_lock import RunLockError
     from megatron_cascade.model import CheckpointError

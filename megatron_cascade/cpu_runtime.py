@@ -311,7 +311,12 @@ def _patch_grad_clipping() -> None:
 
 
 def silence_cpu_warnings() -> None:
-    """Hide Megatron-Core's import-time notices that TE/apex/CUDA are absent (expected on CPU)."""
+    """Hide Megatron-Core's import-time notices that TE/apex/CUDA are absent (expected on CPU); nothing
+    is hidden under ``--verbose``."""
+    from megatron_cascade.run_logging import verbose
+
+    if verbose():
+        return
     for pattern in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
                     ".*cuda_graph_scope.*", ".*all_gather_into_tensor.*", ".*reduce_scatter_tensor.*",
                     ".*load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):

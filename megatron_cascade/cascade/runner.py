@@ -25,6 +25,7 @@ from megatron_cascade.cascade.runtime import (
 from megatron_cascade.cascade.scoring import build_domain_rewards
 from megatron_cascade.cascade.stage import RunContext, StageRunner
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage, to_yaml
+from megatron_cascade.run_logging import log_to_file
 from megatron_cascade.cascade.plan import check_generation_layouts, uses_cuda_graphs
 from megatron_cascade.model import initialize_model_parallel, resolve_layout
 from megatron_cascade.tokenizers import build_tokenizer
@@ -130,6 +131,7 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
         initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes,
                                   cuda_graphs=uses_cuda_graphs(cfg))
         lock = _prepare_output_dir(cfg, allow_config_change)
+        log_to_file(cfg.output_dir)
         if is_main_rank():
             log.info("layout: %s", layout)
         ctx = build_context(cfg, tokenizer, allow_config_change)

@@ -5,6 +5,11 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+
+import pytest
+
 from megatron_cascade.cli import build_parser
 
 
@@ -32,32 +37,45 @@ def test_every_argument_of_every_subcommand_has_help():
 
 
 def test_help_runs_for_every_subcommand(capsys):
-    import pytest
-
     for path, _ in _subparsers(build_parser()):
         with pytest.raises(SystemExit) as info:
             build_parser().parse_args([*path, "--help"])
         assert info.value.code == 0 and "usage:" in capsys.readouterr().out, path
 
 
-def test_megatron_info_on_the_root_logger_stays_off_the_console():
-    """Before: megatron-core's ``logging.info("DynamicInferenceContext: allocated context ...")`` (root
-    logger) printed at every generate call, into the progress bar. Its warnings and our INFO still show."""
-    import subprocess
-    import sys
-
-    code = """
-import logging
-from megatron_cascade.cli import _setup_logging
-_setup_logging()
+_LOGS = """
+import logging, sys
+from megatron_cascade.run_logging import log_to_file, setup_console_logging
+setup_console_logging(show_everything=sys.argv[2] == "verbose")
+log_to_file(sys.argv[1])
 from megatron.core.inference.contexts import dynamic_context
 logging.info("ours: kept")
-record = logging.LogRecord("root", logging.INFO, dynamic_context.__file__, 1, "megatron: allocated context", None, None)
-logging.getLogger().handle(record)
-logging.getLogger().handle(logging.LogRecord("root", logging.WARNING, dynamic_context.__file__, 1, "megatron: warned",
-                                             None, None))
+for level, text in ((logging.INFO, "megatron: allocated context"), (logging.WARNING, "megatron: warned")):
+    logging.getLogger().handle(logging.LogRecord("root", level, dynamic_context.__file__, 1, text, None, None))
+logging.getLogger("megatron.core.x").info("megatron named: info")
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["quiet", "verbose"])
+def test_megatron_info_goes_to_the_log_file_not_the_console(tmp_path, mode):
+    """Before: megatron-core's ``logging.info("DynamicInferenceContext: allocated context ...")`` (root
+    logger) printed at every generate call, into the progress bar. Now it is in the rank's log file;
+    its warnings and our INFO still show; ``--verbose`` shows it all."""
+    res = subprocess.run([sys.executable, "-c", _LOGS, str(tmp_path), mode], capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     assert "ours: kept" in res.stderr and "megatron: warned" in res.stderr
-    assert "allocated context" not in res.stderr
+    shown = ("allocated context" in res.stderr, "megatron named: info" in res.stderr)
+    assert shown == ((True, True) if mode == "verbose" else (False, False)), res.stderr
+    with open(tmp_path / "logs" / "rank0.log") as f:
+        logged = f.read()
+    for text in ("ours: kept", "megatron: allocated context", "megatron: warned", "megatron named: info"):
+        assert text in logged, logged
+
+
+def test_verbose_is_taken_before_or_after_the_subcommand():
+    from megatron_cascade.cli import _parse
+
+    assert _parse(["--verbose", "stages", "c.yaml"]).verbose
+    assert _parse(["stages", "c.yaml", "-v", "seed=1"]).verbose
+    assert not _parse(["stages", "c.yaml"]).verbose
