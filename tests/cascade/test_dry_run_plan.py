@@ -4,6 +4,7 @@ term is checked against Korthikanti et al. 2022's closed forms computed by hand.
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -260,3 +261,21 @@ def test_nemotron_3_nano_recipe_fits_80_gib():
     recipe = Path(__file__).resolve().parents[2] / "examples" / "nemotron_cascade2" / "nemotron_3_nano" / "cascade.yaml"
     out = describe_plan(load_config(str(recipe), check_paths=False))
     assert "recompute=full" in out and "WARNING" not in out, out
+
+
+_EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+_RUNNABLE_EXAMPLES = sorted(
+    os.path.relpath(os.path.join(folder, name), _EXAMPLES)
+    for folder, _, names in os.walk(_EXAMPLES) for name in names
+    if name.endswith(".yaml") and name != "base.yaml")  # base.yaml: an include, not a run
+
+
+@pytest.mark.parametrize("example", _RUNNABLE_EXAMPLES)
+def test_every_shipped_config_plans(example):
+    """Issue 28: ``run examples/tiny_cascade/ci.yaml --dry-run`` refused (it planned the default 1x8
+    cluster: prompts_per_step 4 not divisible by DP 8); the tiny configs now plan their CPU machine."""
+    cfg = load_config(os.path.join(_EXAMPLES, example), check_paths=False)
+    text = describe_plan(cfg)
+    assert "memory plan per GPU" in text
+    if example.startswith("tiny_cascade"):
+        assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.transformer_engine) == (1, 1, False)
