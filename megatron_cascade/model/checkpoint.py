@@ -105,9 +105,18 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
 _STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
-def _ignore_stop_signals() -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _ignore_stop_signals(trainer_pid: int) -> None:
     """The manager's initializer: ignore stop signals, then take delivery again (it was born with
-    them blocked, see ``_signal_safe_writer_queue``; one that arrived meanwhile is now discarded)."""
+    them blocked, see ``_signal_safe_writer_queue``; one that arrived meanwhile is now discarded);
+    and die with the trainer (a SIGKILLed trainer left its manager, ~270 MiB, running forever)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != trainer_pid:  # the trainer died before the death signal was armed
+        os._exit(1)
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
@@ -132,7 +141,7 @@ def _signal_safe_writer_queue() -> None:
         resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # inherited by the child
         try:
-            manager.start(_ignore_stop_signals)
+            manager.start(_ignore_stop_signals, (os.getpid(),))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         filesystem_async._results_queue = manager.Queue()
