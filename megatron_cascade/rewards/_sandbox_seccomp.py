@@ -11,6 +11,8 @@ launcher, which installs it right before ``execve`` (``prctl(PR_SET_SECCOMP)``, 
   (its own path to syscalls);
 * refuses ``prctl(PR_SET_PDEATHSIG)``: the program must not clear the death signal that ends it
   with the trainer;
+* answers ``EPERM`` to SysV IPC and memfd files (memory outside the sandbox's limits) and
+  ``EAFNOSUPPORT`` to sockets of any family but Unix and inet (no AF_VSOCK to the host);
 * refuses ``clone`` with any ``CLONE_NEW*`` flag (a user namespace would hand the program
   capabilities there) and answers ``clone3`` with ``ENOSYS`` (its flags sit in memory the
   filter cannot read; libc then falls back to ``clone``, as under Docker's default profile);
@@ -37,6 +39,9 @@ _NUMBERS: dict[str, dict[str, int]] = {
         "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
         "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_getfd": 438,
         "mount_setattr": 442, "clone": 56, "clone3": 435, "prctl": 157,
+        "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64, "semop": 65, "semctl": 66,
+        "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "memfd_create": 319,
+        "memfd_secret": 447, "socket": 41, "socketpair": 53,
     },
     "aarch64": {
         "ptrace": 117, "syslog": 116, "vhangup": 58, "pivot_root": 41,
@@ -50,6 +55,9 @@ _NUMBERS: dict[str, dict[str, int]] = {
         "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
         "fspick": 433, "pidfd_getfd": 438, "mount_setattr": 442, "clone": 220, "clone3": 435, "prctl": 167,
+        "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189, "semget": 190, "semctl": 191,
+        "semtimedop": 192, "semop": 193, "shmget": 194, "shmctl": 195, "shmat": 196, "shmdt": 197,
+        "memfd_create": 279, "memfd_secret": 447, "socket": 198, "socketpair": 199,
     },
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -66,7 +74,17 @@ DENIED: tuple[str, ...] = (
     "reboot", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname",
     "iopl", "ioperm",
+    # Memory outside the sandbox's limits: SysV shared memory (1,280 MiB committed under a 256 MiB
+    # limit), message queues and semaphores live in the kernel, not in the process's address space;
+    # memfd files are anonymous tmpfs memory outside the sized tmpfs. (POSIX shm and semaphores, which
+    # multiprocessing uses, are files of the sandbox's own /dev/shm: counted.)
+    "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
+    "msgrcv", "msgctl", "memfd_create", "memfd_secret",
 )
+# Socket families a program may open (socket, socketpair); others get EAFNOSUPPORT: AF_VSOCK reaches the
+# hypervisor's host side, AF_ALG/AF_KEY/AF_PACKET/AF_NETLINK/... are kernel attack surface it needs
+# not. Inet sockets see only the sandbox's own network namespace (a downed loopback).
+ALLOWED_SOCKET_FAMILIES: tuple[int, ...] = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (not NEWTIME: 0x80 is part
 # of the exit-signal byte in clone's flags).
 _PR_SET_PDEATHSIG = 1
@@ -115,14 +133,20 @@ def build_filter(machine: str) -> bytes:
         (_JEQ_K, "enosys", 0, nr["clone3"]),
         (_JEQ_K, "clone", 0, nr["clone"]),
         (_JEQ_K, "prctl", 0, nr["prctl"]),
+        (_JEQ_K, "socket", 0, nr["socket"]),
+        (_JEQ_K, "socket", 0, nr["socketpair"]),
         (_RET_K, 0, 0, _RET_ALLOW),
     ]
     labels = {"clone": len(prog)}
     prog += [(_LD_W_ABS, 0, 0, _OFF_ARG0_LOW), (_JSET_K, "deny", 0, _CLONE_NEW_MASK), (_RET_K, 0, 0, _RET_ALLOW)]
     labels["prctl"] = len(prog)
     prog += [(_LD_W_ABS, 0, 0, _OFF_ARG0_LOW), (_JEQ_K, "deny", 0, _PR_SET_PDEATHSIG), (_RET_K, 0, 0, _RET_ALLOW)]
-    for name, ret in (("deny", _RET_ERRNO | errno.EPERM), ("enosys", _RET_ERRNO | errno.ENOSYS),
-                      ("kill", _RET_KILL_PROCESS)):
+    labels["socket"] = len(prog)
+    prog += [(_LD_W_ABS, 0, 0, _OFF_ARG0_LOW)]
+    prog += [(_JEQ_K, "allow", 0, family) for family in ALLOWED_SOCKET_FAMILIES]
+    prog += [(_RET_K, 0, 0, _RET_ERRNO | errno.EAFNOSUPPORT)]
+    for name, ret in (("allow", _RET_ALLOW), ("deny", _RET_ERRNO | errno.EPERM),
+                      ("enosys", _RET_ERRNO | errno.ENOSYS), ("kill", _RET_KILL_PROCESS)):
         labels[name] = len(prog)
         prog.append((_RET_K, 0, 0, ret))
 

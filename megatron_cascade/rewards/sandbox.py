@@ -214,9 +214,10 @@ def _interpreter_binds(python: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(binds))
 
 
-_PROBE = """import json, os, socket
+_PROBE = """import json, os
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-print(json.dumps({"ifs": [n for _, n in socket.if_nameindex()], "uid": os.getuid(),
+print(json.dumps({"ifs": [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]],
+                  "uid": os.getuid(),
                   "caps": [int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd")],
                   "seccomp": status["Seccomp"].strip(), "nnp": status["NoNewPrivs"].strip(),
                   "root": sorted(os.listdir("/")), "cwd_writable": os.access(".", os.W_OK)}))
