@@ -1,6 +1,6 @@
 """Worker process of :mod:`megatron_cascade.rewards.isolation`: runs reward calls sent over a pipe.
 
-Started as ``python -c <bootstrap> SYS_PATH FD_IN FD_OUT PARENT_PID`` (the bootstrap sets
+Started as ``python -c <bootstrap> SYS_PATH FD_IN FD_OUT PARENT_PID MEMORY_MB`` (the bootstrap sets
 ``sys.path`` to the trainer's, so that user reward modules import here as there). Protocol, one
 pickled tuple per message (``multiprocessing.connection`` framing) on two private pipes:
 
@@ -99,7 +99,11 @@ def serve(conn_in: Connection, conn_out: Connection) -> None:
         conn_out.send(("result", _picklable(value)))
 
 
-def main(fd_in: int, fd_out: int, parent_pid: int) -> None:
+def main(fd_in: int, fd_out: int, parent_pid: int, memory_mb: int) -> None:
     _die_with_parent(parent_pid)
+    import resource
+
+    limit = memory_mb << 20  # heap: what a response can make a verifier allocate (MemoryError past it)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which ends the pool
     serve(Connection(fd_in, writable=False), Connection(fd_out, readable=False))

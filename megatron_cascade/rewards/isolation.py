@@ -39,6 +39,10 @@ from typing import Any, Callable, Optional
 from megatron_cascade.rewards.outcome import ResponseTimeout
 
 LOAD_TIMEOUT_S = 120.0  # importing a reward's module in a fresh worker (SymPy: ~0.5 s)
+# Heap (RLIMIT_DATA: private writable memory; shared libraries do not count) of one worker: a response
+# whose verification would allocate more (a huge power SymPy expands) gets MemoryError -- a response
+# fault, i.e. score 0 -- instead of taking the node's memory (8 workers x unbounded).
+VERIFIER_MEMORY_MB = 4096
 _DEFAULT_MAX_PROCESSES = 8  # per trainer process; verifier calls take milliseconds
 _BOOTSTRAP = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
               "from megatron_cascade.rewards._verifier_worker import main; main(*map(int, sys.argv[2:]))")
@@ -96,12 +100,13 @@ def _usable_cpus() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def _start_worker() -> _Worker:
+def _start_worker(memory_mb: int) -> _Worker:
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), str(to_r), str(from_w), str(os.getpid())],
+            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), str(to_r), str(from_w), str(os.getpid()),
+             str(memory_mb)],
             pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL)
     except BaseException:
         for fd in (to_w, from_r):
@@ -117,7 +122,8 @@ class _Spawner:
     """Starts workers from one thread that lives as long as the trainer: PR_SET_PDEATHSIG fires
     when the *thread* that started a process ends, and scoring threads end after each call."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_mb: int) -> None:
+        self._memory_mb = memory_mb
         self._requests: queue.Queue = queue.Queue()
         threading.Thread(target=self._loop, daemon=True, name="verifier-spawner").start()
 
@@ -130,7 +136,7 @@ class _Spawner:
         while True:
             future = self._requests.get()
             try:
-                future.set_result(_start_worker())
+                future.set_result(_start_worker(self._memory_mb))
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 future.set_exception(e)
 
@@ -140,12 +146,16 @@ class VerifierProcessPool:
 
     Args:
         max_processes: workers alive at once (default ``min(8, usable CPUs)``).
+        memory_mb: heap limit of each worker in MiB (``RLIMIT_DATA``).
     """
 
-    def __init__(self, max_processes: Optional[int] = None) -> None:
+    def __init__(self, max_processes: Optional[int] = None, memory_mb: int = VERIFIER_MEMORY_MB) -> None:
         if max_processes is not None and max_processes < 1:
             raise ValueError(f"max_processes must be >= 1, got {max_processes}")
+        if memory_mb < 64:
+            raise ValueError(f"memory_mb must be >= 64 (the interpreter and SymPy), got {memory_mb}")
         self.max_processes = max_processes or min(_DEFAULT_MAX_PROCESSES, _usable_cpus())
+        self.memory_mb = memory_mb
         self._idle: list[_Worker] = []
         self._live = 0
         self._closed = False
@@ -203,7 +213,7 @@ class VerifierProcessPool:
                 return self._idle.pop()
             self._live += 1  # reserve the slot, start the process outside the lock
             if self._spawner is None:
-                self._spawner = _Spawner()
+                self._spawner = _Spawner(self.memory_mb)
             spawner = self._spawner
         try:
             return spawner.spawn()

@@ -213,3 +213,24 @@ def test_a_hanging_batch_reward_is_abandoned_at_the_summed_deadline():
         assert time.monotonic() - start < 15
     finally:
         HANG.set()
+
+
+@run_in_process
+def _allocating(response: str, sample: dict) -> float:
+    block = bytearray(int(response) << 20)  # what a response can make a verifier allocate
+    return float(len(block) > 0)
+
+
+def test_a_verifier_that_would_take_the_nodes_memory_gets_memory_error():
+    """Issue 29: verifier workers had no memory limit (8 of them, each unbounded). Now a worker's heap
+    is capped; past it the call raises MemoryError, a response fault (score 0), and the worker lives on."""
+    from megatron_cascade.rewards.outcome import OutcomeKind, outcome_kind
+
+    pool = VerifierProcessPool(max_processes=1, memory_mb=256)
+    try:
+        assert pool.call(_allocating, "16", {}, timeout_s=30) == 1.0
+        bomb = pool.call(_allocating, "2048", {}, timeout_s=30)
+        assert isinstance(bomb, MemoryError) and outcome_kind(bomb) is OutcomeKind.RESPONSE_FAULT, bomb
+        assert pool.call(_allocating, "16", {}, timeout_s=30) == 1.0 and pool.live == 1
+    finally:
+        pool.close()
