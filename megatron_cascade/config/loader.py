@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_cascade.config.rules import ConfigError, validate_tree
+from megatron_cascade.config.rules import ConfigError, field_problems, validate_tree
 from megatron_cascade.config.schema import ResolvedStage, RolloutConfig, RunConfig, StageConfig
 from megatron_cascade.config.unknown_keys import key_lines, unknown_keys
 from megatron_cascade.config.training import (
@@ -59,7 +59,9 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     try:
         validate_run(cfg, source=path, check_paths=check_paths)
     except ConfigError as exc:
-        raise ConfigError(_with_origin(str(exc), path, texts, overridden)) from None
+        lines = [_with_origin(line, path, texts, overridden) for line in str(exc).splitlines()]
+        raise ConfigError(lines[0] if len(lines) == 1
+                          else f"{len(lines)} bad config values:\n  " + "\n  ".join(lines)) from None
     return cfg
 
 
@@ -264,8 +266,15 @@ def _field_type(node: Any, name: str) -> Any:
 
 
 def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = True) -> None:
-    """Every field's declared range and every section's own rules (``config.rules``), then the checks
-    between sections and stages; ``ConfigError`` naming ``source`` and the key."""
+    """Every field's declared range (all problems in one ``ConfigError``, a line each) and every
+    section's own rules (``config.rules``), then the checks between sections and stages;
+    ``ConfigError`` naming ``source`` and the key."""
+    problems = [f"{source}: {problem}" for problem in field_problems(cfg)]
+    for index, stage in enumerate(cfg.stages):
+        problems += [f"{source}: stages[{index}] ({stage.name}): {problem}"
+                     for problem in _stage_override_problems(cfg, stage)]
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
         validate_tree(cfg)
     except ConfigError as exc:
@@ -301,6 +310,25 @@ def validate_run(cfg: RunConfig, source: str = "config", check_paths: bool = Tru
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
         _validate_sections(cfg, resolved, where)
+
+
+def _stage_override_problems(cfg: RunConfig, stage: StageConfig) -> list[str]:
+    """Declared-range problems of the values a stage's own sections set (those it inherits are the
+    run's, reported once there); none when the sections do not merge (reported later, by key)."""
+    try:
+        resolved = resolve_stage(cfg, stage)
+    except ConfigError:
+        return []
+    problems = []
+    for name in _STAGE_SECTIONS:
+        own = getattr(stage, name) or {}
+        for problem in field_problems(getattr(resolved, name), f"{name}."):
+            node: Any = own
+            for part in problem.split("=", 1)[0].split(".")[1:]:
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                problems.append(problem)
+    return problems
 
 
 def _validate_sections(cfg: RunConfig, stage: ResolvedStage, where: str) -> None:

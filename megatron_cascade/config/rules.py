@@ -9,7 +9,8 @@
 
 :func:`validate_tree` walks a config (nested dataclasses, dicts and lists of them), checks every
 declared rule and calls every ``validate``; the first problem raises :class:`ConfigError` naming the
-full key (``domains.math.reward.timeout_s=0 must be > 0``).
+full key (``domains.math.reward.timeout_s=0 must be > 0``). :func:`field_problems` lists every
+declared rule a config breaks (the loader reports them all at once).
 """
 
 from __future__ import annotations
@@ -121,34 +122,53 @@ def checked(test: Callable[[Any], bool], must: str, *, default: Any = None,
 
 
 def validate_tree(node: Any, prefix: str = "") -> None:
-    """Check every field rule and ``validate`` method in ``node`` and below; ``ConfigError`` on the first.
+    """Check every field rule, then every ``validate`` method, in ``node`` and below; ``ConfigError``
+    on the first problem (:func:`field_problems` lists them all).
 
     ``prefix`` is the key of ``node`` followed by a dot (``"rollout."``), or empty for the root.
     """
+    problems = field_problems(node, prefix)
+    if problems:
+        raise ConfigError(problems[0])
+    for section, section_prefix in _sections(node, prefix, children_first=True):
+        check = getattr(section, "validate", None)
+        if callable(check):
+            check(section_prefix)
+
+
+def field_problems(node: Any, prefix: str = "") -> list[str]:
+    """``"<key>=<value> <what it must be>"`` for every field of ``node`` and below whose value breaks
+    its declared rule (range, condition, choice)."""
+    problems = []
+    for section, section_prefix in _sections(node, prefix):
+        choices = _choice_fields(type(section))
+        for f in fields(section):
+            value = getattr(section, f.name)
+            rule = f.metadata.get(_RULE)
+            problem = rule.problem(value) if rule is not None else None
+            if f.name in choices and value is not None and value not in choices[f.name].values():
+                # OmegaConf refuses these when it loads YAML; a config built in code is checked here.
+                problem = f"is not one of {choices[f.name].values()}"
+            if problem:
+                problems.append(f"{section_prefix}{f.name}={value!r} {problem}")
+    return problems
+
+
+def _sections(node: Any, prefix: str, children_first: bool = False) -> list[tuple[Any, str]]:
+    """Every dataclass instance in ``node`` and below (dicts and lists of them too) with its key
+    prefix, in field order; a section before its sub-sections, or after them (``children_first``:
+    a ``validate`` method may rely on its sub-sections' own rules)."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            validate_tree(value, f"{prefix}{key}.")
-        return
+        return [found for key, value in node.items()
+                for found in _sections(value, f"{prefix}{key}.", children_first)]
     if isinstance(node, (list, tuple)):
-        for index, value in enumerate(node):
-            validate_tree(value, f"{prefix.rstrip('.')}[{index}].")
-        return
+        return [found for index, value in enumerate(node)
+                for found in _sections(value, f"{prefix.rstrip('.')}[{index}].", children_first)]
     if not is_dataclass(node) or isinstance(node, type):
-        return
-    choices = _choice_fields(type(node))
-    for f in fields(node):
-        value = getattr(node, f.name)
-        rule = f.metadata.get(_RULE)
-        problem = rule.problem(value) if rule is not None else None
-        if f.name in choices and value is not None and value not in choices[f.name].values():
-            # OmegaConf refuses these when it loads YAML; a config built in code is checked here.
-            problem = f"is not one of {choices[f.name].values()}"
-        if problem:
-            raise ConfigError(f"{prefix}{f.name}={value!r} {problem}")
-        validate_tree(value, f"{prefix}{f.name}.")
-    check = getattr(node, "validate", None)
-    if callable(check):
-        check(prefix)
+        return []
+    below = [found for f in fields(node) for found in _sections(getattr(node, f.name), f"{prefix}{f.name}.",
+                                                                   children_first)]
+    return below + [(node, prefix)] if children_first else [(node, prefix)] + below
 
 
 @functools.cache

@@ -192,3 +192,19 @@ def test_a_bad_yaml_value_names_its_line(tmp_path):
     path.write_text(f"defaults: [{TINY}]\nseed: 2\nrollout:\n  temperature: -2\n")
     with pytest.raises(ConfigError, match=re.escape(f"{path}:4: rollout.temperature=-2.0 must be > 0")):
         load_config(str(path))
+
+
+def test_every_bad_value_in_one_report_each_with_its_origin(tmp_path):
+    """Issue 28: one mistake per run -- the next bad value surfaced only after the first was fixed."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"defaults: [{TINY}]\nrollout:\n  temperature: -2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), ["stages.if_rl.steps=0", "stages.math_rl.rollout.top_p=3"])
+    assert str(err.value).splitlines() == [
+        "3 bad config values:",
+        f"  {path}:3: rollout.temperature=-2.0 must be > 0 (the trainer divides the logits by it; greedy is "
+        "eval.temperature: 0)",
+        "  command-line override 'stages.if_rl.steps=0': stages[1].steps=0 must be >= 1",
+        "  command-line override 'stages.math_rl.rollout.top_p=3': stages[2] (math_rl): rollout.top_p=3.0 must be "
+        "in (0, 1]",
+    ]
