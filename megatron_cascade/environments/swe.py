@@ -18,9 +18,11 @@ Every model turn may hold tool calls in the chat templates' format (``<tool_call
 
 Results come back as a tool-response turn. A turn without any tool call submits as well. With
 ``reasoning_markers`` (a reasoning model), calls are read only after the turn's reasoning. At
-submission the row's hidden tests are copied over the workspace — inside the sandbox only, never
-into the workspace the model could read — and run with unittest (``test_timeout_s``); the episode's
-reward (this step's ``EnvStep.reward``) is 1 when every hidden test ran and passed, else 0. An
+submission the row's hidden tests run with unittest (``test_timeout_s``) against the workspace, in the
+sandbox, where the model's code cannot reach their verdict (``_swe_runner.py``: the tests run in a
+process that never imports the repository; its code runs in another, and its results come back as
+data); the episode's reward (this step's ``EnvStep.reward``) is 1 when every hidden test ran and
+passed, else 0. An
 episode that ends at its turn or token budget without submitting scores 0. A sandbox that cannot
 run at all raises (the episode's reward is an error, not a 0).
 
@@ -35,10 +37,10 @@ Rows (JSONL)::
 ``hidden_test_count`` (optional) is how many tests must run, so that a patch that makes a test
 module vanish or stop early cannot pass.
 
-Limit: the hidden tests import the model's code into the test process. The runner reads unittest's
-own counts and reports them after a per-run nonce (printed result lines, an early exit or a missing
-test module do not pass), exits without atexit hooks, the count is checked, and nothing the command
-started outlives it; but code in the test process could still dig the nonce out of the runner.
+Limit: hidden tests see the repository's objects as data (rebuilt as builtins) or opaque handles
+(attributes, calls, items, ``len``, iteration, ``str``; no truth value, identity equality): tests that
+compare the repository's own objects fail, and arguments cross as copies (a function's in-place change
+of its argument is not seen). A patch that special-cases the tests' inputs passes, as under any test.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_cascade.environments.base import EnvStep, Environment, register_environment
 from megatron_cascade.environments.chat import tool_turn_ids
-from megatron_cascade.environments.swe_tools import SandboxRunner, ToolError, Workspace, normalize_path
+from megatron_cascade.environments.swe_tools import SandboxRunner, ToolError, Workspace, module_name, normalize_path
 from megatron_cascade.environments.tool_calls import CLOSE, BadToolCall, ToolCall, parse_tool_calls
 from megatron_cascade.rewards.reasoning import ReasoningParser
 from megatron_cascade.rewards.sandbox import CodeSandbox
@@ -85,7 +87,7 @@ def hidden_test_modules(row: dict) -> list[str]:
     """The unittest names of a row: its ``test_modules``, else its hidden test files as modules."""
     modules = row.get("test_modules")
     if modules is None:
-        modules = [p[:-3].replace("/", ".") for p in sorted(row["hidden_tests"]) if p.endswith(".py")]
+        modules = [module_name(p) for p in sorted(row["hidden_tests"]) if p.endswith(".py")]
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) and m for m in modules):
         raise ValueError("a SWE row's 'test_modules' must be a non-empty list of module names")
     return modules

@@ -7,7 +7,9 @@ reach it. A command (``run``) and the hidden tests run in a fresh code sandbox
 process-tree kill, its directory removed after): a small driver program writes the workspace into
 the sandbox's work dir, runs the command there under its own deadline, and sends back the output's
 tail and the files as the command left them (regular UTF-8 files only; symlinks, ``__pycache__`` and
-files over the size cap are not kept). Nothing of a command outlives it.
+files over the size cap are not kept). Nothing of a command outlives it. The driver is non-dumpable
+and lets go of its stdin once read, so nothing it was given is readable from ``/proc`` by the code it
+runs (the hidden tests' verdict: ``_swe_runner.py``).
 
 The sandbox has no shell: a command is ``python ...`` / ``python3 ...`` (``python -m unittest``,
 ``python script.py``, ``python -c ...``), run with the interpreter of the sandbox and the standard
@@ -16,9 +18,10 @@ library only.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import posixpath
-import secrets
 import shlex
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -32,16 +35,16 @@ class ToolError(ValueError):
 
 #: What the driver prints before its JSON report (the last such line counts).
 _REPORT = "__SWE_DRIVER__"
-#: What the hidden-test runner prints before its JSON result.
-_RESULT = "__SWE_RESULT__"
 
 # Runs inside the sandbox as main.py; stdin: {"files", "argv", "timeout_s", "max_output_chars",
 # "max_file_bytes", "max_total_bytes", "stdin"}. The repository lives in ./repo (main.py stays out of
 # it). Isolated, the driver is its PID namespace's init: before it reports, everything the command
 # left running is killed (kill -1 from init spares only init), so nothing writes after its report.
 _DRIVER = r'''
-import json, os, signal, stat, subprocess, sys
+import ctypes, json, os, signal, stat, subprocess, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its memory and fds stay out of /proc
 spec = json.loads(sys.stdin.read())
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # /proc/1/fd/0 no longer names the spec
 os.mkdir("repo")
 for path, text in spec["files"].items():
     target = os.path.join("repo", path)
@@ -49,14 +52,26 @@ for path, text in spec["files"].items():
     with open(target, "w", encoding="utf-8") as f:
         f.write(text)
 env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
-timed_out, rc = False, None
+timed_out, rc, verdict = False, None, None
+argv, fds = [sys.executable, *spec["argv"]], ()
+if spec.get("verdict"):  # a private pipe for the hidden tests' counts, its write end the runner's only
+    verdict_r, verdict_w = os.pipe()
+    argv, fds = argv + [str(verdict_w)], (verdict_w,)
 with open("cmd_output", "wb") as out:
-    feed = {"stdin": subprocess.DEVNULL} if spec.get("stdin") is None else {"input": spec["stdin"].encode()}
+    proc = subprocess.Popen(argv, cwd="repo", stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=fds,
+                            stdin=subprocess.DEVNULL if spec.get("stdin") is None else subprocess.PIPE)
+    for fd in fds:
+        os.close(fd)
     try:
-        rc = subprocess.run([sys.executable, *spec["argv"]], cwd="repo", stdout=out, stderr=subprocess.STDOUT,
-                            timeout=spec["timeout_s"], env=env, **feed).returncode
+        proc.communicate(None if spec.get("stdin") is None else spec["stdin"].encode(), timeout=spec["timeout_s"])
+        rc = proc.returncode
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         timed_out = True
+if fds:
+    with os.fdopen(verdict_r, "rb") as f:
+        verdict = f.read(4096).decode("utf-8", "replace")
 if os.getpid() == 1:
     try:
         os.kill(-1, signal.SIGKILL)
@@ -87,25 +102,23 @@ for root, dirs, names in os.walk("repo"):
             continue
         files[rel] = text
 print("\n" + "__SWE_DRIVER__" + json.dumps({"rc": rc, "timed_out": timed_out, "output": output,
-                                             "files": files, "skipped": skipped}))
+                                             "files": files, "skipped": skipped, "verdict": verdict}))
 '''
 
-# The hidden tests' runner (argv: their module names; stdin: a nonce, read before any test module is
-# imported): unittest's own counts as one JSON line after the marker and the nonce. Code under test
-# that prints a result line does not know the nonce (it would have to dig it out of the runner).
-_TEST_RUNNER = r'''
-import json, sys, unittest
-nonce = sys.stdin.readline().strip()
-suite = unittest.TestSuite()
-for name in sys.argv[1:]:
-    suite.addTests(unittest.defaultTestLoader.loadTestsFromName(name))
-result = unittest.TextTestRunner(stream=sys.stdout, verbosity=2).run(suite)
-print("\n__SWE_RESULT__" + nonce + json.dumps({"run": result.testsRun, "failures": len(result.failures),
-      "errors": len(result.errors), "skipped": len(result.skipped),
-      "unexpected_successes": len(result.unexpectedSuccesses)}), flush=True)
-import os
-os._exit(0)  # no atexit hook of the code under test prints after the result
-'''
+# The hidden tests' runner and the subject holding the repository's code (see its docstring).
+_RUNNER_PATH = os.path.join(os.path.dirname(__file__), "_swe_runner.py")
+
+
+@functools.lru_cache(maxsize=1)
+def _runner_source() -> str:
+    with open(_RUNNER_PATH, encoding="utf-8") as f:
+        return f.read()
+
+
+def module_name(path: str) -> str:
+    """The import name of a repository's ``.py`` file (``tests/test_x.py`` -> ``tests.test_x``)."""
+    name = path[:-3].replace("/", ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
 
 
 def normalize_path(path: object, *, allow_root: bool = False) -> str:
@@ -296,9 +309,10 @@ class SandboxRunner:
         self.memory_mb, self.max_processes, self.max_disk_mb = memory_mb, max_processes, max_disk_mb
 
     def _drive(self, ws: Workspace, files: Mapping[str, str], argv: list[str], timeout_s: float,
-               output_chars: int, stdin: Optional[str] = None) -> Optional[dict]:
+               output_chars: int, stdin: Optional[str] = None, verdict: bool = False) -> Optional[dict]:
         spec = {"files": dict(files), "argv": argv, "timeout_s": timeout_s, "max_output_chars": output_chars,
-                "max_file_bytes": ws.max_file_bytes, "max_total_bytes": ws.max_total_bytes, "stdin": stdin}
+                "max_file_bytes": ws.max_file_bytes, "max_total_bytes": ws.max_total_bytes, "stdin": stdin,
+                "verdict": verdict}
         limits = SandboxLimits(timeout_s=timeout_s + 10.0, memory_mb=self.memory_mb,
                                max_processes=self.max_processes, max_disk_mb=self.max_disk_mb,
                                max_file_mb=max(1, -(-ws.max_total_bytes // 2**20)) + 1,
@@ -340,22 +354,22 @@ class SandboxRunner:
 
     def run_tests(self, ws: Workspace, hidden: Mapping[str, str], modules: list[str],
                   timeout_s: float) -> Optional[TestOutcome]:
-        """Copy the hidden test files over the workspace (in the sandbox only), run ``modules`` with
-        unittest; None when no result came back (timed out, crashed, or output forged away)."""
-        files = {**ws.files, **hidden}
-        nonce = secrets.token_hex(16)
-        data = self._drive(ws, files, ["-c", _TEST_RUNNER, *modules], timeout_s, 20000, stdin=nonce + "\n")
-        if data is None or data.get("timed_out"):
-            return None
-        output = str(data.get("output", ""))
-        head, sep, result = output.rpartition(_RESULT + nonce)
-        if not sep:
+        """Run the hidden tests (``{path: text}``; ``modules``: what unittest loads) against the
+        workspace: the runner loads them from their text (never from disk) and reaches the repository
+        only through the subject process (``_swe_runner.py``); None when no verdict came back (timed
+        out, crashed)."""
+        sources = {module_name(path): text for path, text in hidden.items() if path.endswith(".py")}
+        spec = {"sources": sources, "modules": list(modules), "program": _runner_source()}
+        data = self._drive(ws, ws.files, ["-I", "-c", _runner_source(), "runner"], timeout_s, 20000,
+                           stdin=json.dumps(spec), verdict=True)
+        if data is None or data.get("timed_out") or not isinstance(data.get("verdict"), str):
             return None
         try:
-            counts = json.loads(result.strip().splitlines()[0])
+            counts = json.loads(data["verdict"])
             return TestOutcome(int(counts["run"]), int(counts["failures"]), int(counts["errors"]),
-                               int(counts["skipped"]) + int(counts.get("unexpected_successes", 0)), head)
-        except (ValueError, KeyError, TypeError, IndexError):
+                               int(counts["skipped"]) + int(counts.get("unexpected_successes", 0)),
+                               str(data.get("output", "")))
+        except (ValueError, KeyError, TypeError):
             return None
 
 

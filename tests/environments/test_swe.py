@@ -189,6 +189,74 @@ def test_a_patch_cannot_fake_passing_tests(env, rows, patch, no_leftovers):
     assert steps[-1].done and steps[-1].reward == 0.0
 
 
+_FAKE_UNITTEST = (  # a repository's own unittest.py: takes the runner's stdin (its nonce), reports all passed
+    "import os, sys\n"
+    "nonce = sys.stdin.readline().strip()\n"
+    "print('\\n__SWE_RESULT__' + nonce + '{\"run\": 3, \"failures\": 0, \"errors\": 0, \"skipped\": 0}', "
+    "flush=True)\n"
+    "os._exit(0)\n")
+
+
+@pytest.mark.parametrize("patch,extra_files", [
+    # Issue 29's three forgeries that scored 1.0 with the bug in place:
+    ("import unittest\nunittest.TestResult.addFailure = lambda self, test, err: None\n"
+     "unittest.TestResult.addError = lambda self, test, err: None\n", {}),  # unittest's own bookkeeping
+    ("", {"unittest.py": _FAKE_UNITTEST}),  # shadows the runner's unittest
+    ("import __main__, os\n"
+     "print('\\n__SWE_RESULT__' + getattr(__main__, 'nonce', '') + '{\"run\": 3, \"failures\": 0, \"errors\": 0, "
+     "\"skipped\": 0}', flush=True)\nos._exit(0)\n", {}),  # reads the runner's nonce, forges, exits
+    # and an answer that equals everything:
+    ("class _Always:\n    __eq__ = lambda self, other: True\n    __bool__ = lambda self: True\n", {}),
+], ids=["patched-testresult", "shadowing-unittest", "nonce-from-main", "equal-to-everything"])
+def test_the_verdict_is_out_of_the_patchs_reach(env, rows, patch, extra_files, no_leftovers):
+    """Before: the first three scored 1.0 with the bug still there (the tests imported the patch into
+    the process that kept their counts). Now the hidden tests run where no repository code runs."""
+    row = rows[0]
+    body = "def add(a, b):\n    return _Always()\n" if "_Always" in patch else "def add(a, b):\n    return a - b\n"
+    turns = [call("edit", path="calc/core.py", old="def add(a, b):\n    return a - b\n", new=patch + "\n" + body)]
+    turns += [call("edit", path=path, old="", new=text) for path, text in extra_files.items()]
+    steps, _ = _episode(env, row, turns + ["done"])
+    assert steps[-1].done and steps[-1].reward == 0.0
+
+
+_SPY = """
+import os, sys
+seen = []
+for path in ("/proc/1/fd/0", "/proc/%d/fd/0" % os.getppid(), "/proc/1/environ", "/proc/%d/environ" % os.getppid()):
+    try:
+        with open(path, "rb") as f:
+            seen.append(f.read(200000).decode("utf-8", "replace"))
+    except OSError as e:
+        seen.append("refused " + path)
+for pid in (1, os.getppid()):
+    try:
+        with open("/proc/%d/mem" % pid, "rb") as f:
+            seen.append("mem readable")
+    except OSError:
+        pass
+print("SPY:", " | ".join(seen), file=sys.stderr, flush=True)
+
+def add(a, b):
+    return a - b
+"""
+
+
+def test_nothing_of_the_spec_is_readable_by_the_code_under_test(env, rows, no_leftovers):
+    """Issue 29: ``/proc/1/fd/0`` -- the driver's stdin, the whole spec with the hidden tests -- was
+    readable by the code under test. Now the driver and the runner are non-dumpable and neither keeps
+    the spec on a file descriptor: the patch that looks finds nothing."""
+    row = rows[0]
+    state = env.start(row)
+    try:
+        state.workspace.files["calc/core.py"] = _SPY
+        outcome = env.runner.run_tests(state.workspace, row["hidden_tests"], ["tests.test_hidden"], 10.0)
+    finally:
+        env.finish(state)
+    assert outcome is not None and outcome.failures > 0
+    spied = outcome.output[outcome.output.index("SPY:"):]
+    assert "refused /proc/1/fd/0" in spied and "assertEqual" not in spied and "mem readable" not in spied, spied
+
+
 def test_with_reasoning_markers_only_calls_after_the_reasoning_run(env, rows, sandbox_tmp, no_leftovers):
     row = rows[0]
     (edit,) = [call("edit", **e) for e in row["oracle_edits"]]
