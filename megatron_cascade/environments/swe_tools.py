@@ -359,7 +359,9 @@ class SandboxRunner:
         only through the subject process (``_swe_runner.py``); None when no verdict came back (timed
         out, crashed)."""
         sources = {module_name(path): text for path, text in hidden.items() if path.endswith(".py")}
-        spec = {"sources": sources, "modules": list(modules), "program": _runner_source()}
+        top_level = sorted({module_name(path).partition(".")[0] for path in ws.files if path.endswith(".py")}
+                           | {path.partition("/")[0] for path in ws.files if "/" in path})
+        spec = {"sources": sources, "modules": list(modules), "program": _runner_source(), "top_level": top_level}
         data = self._drive(ws, ws.files, ["-I", "-c", _runner_source(), "runner"], timeout_s, 20000,
                            stdin=json.dumps(spec), verdict=True)
         if data is None or data.get("timed_out") or not isinstance(data.get("verdict"), str):
