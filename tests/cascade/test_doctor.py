@@ -60,7 +60,9 @@ def test_doctor_names_each_gpu_feature_that_cannot_run():
     env = Environment(python="3.12", torch="2.11", cuda="13.0", gpus=(GPU("A100-SXM4-40GB", 39.4, (8, 0)),),
                       packages={"transformer-engine": Package("2.10.0"), "flash-attn": Package("2.6.3"),
                                 "mamba-ssm": Package("2.2.4", problem="ImportError: libcudart.so.12")})
-    cfg = load_config(HYBRID, ["model.precision=fp32", "rollout.kv_block_size_tokens=64"], check_paths=False)
+    # (the tiny configs plan their 24 GiB CPU machine; here the cluster this GPU node is planned as)
+    cfg = load_config(HYBRID, ["model.precision=fp32", "rollout.kv_block_size_tokens=64", "cluster.gpu_memory_gib=80"],
+                      check_paths=False)
     problems = config_problems(cfg, env, sandbox_problem=lambda cfg: [])
     text = "\n".join(problems)
     for words in ("flash-attn >= 2.7.3", "model.precision=fp32", "\nrollout.kv_block_size_tokens=64",
