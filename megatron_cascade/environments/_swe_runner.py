@@ -64,20 +64,13 @@ def _receive(stream):
     return json.loads(data)
 
 
-# -- the subject: the repository's code, behind the pipe ------------------------------------------------------------
-
-
-def _exception_info(cls):
-    builtin = next(c.__name__ for c in cls.__mro__ if _BUILTIN_EXCEPTIONS.get(c.__name__) is c)
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "builtin": builtin}
-
-
-class _Subject:
-    def __init__(self):
-        self.objects = {}
+class _Codec:
+    """Values as the protocol's JSON: data as itself (tagged where JSON has no such type); anything else
+    is the side's own business (``encode_other``: the subject's handles, the runner's refusal;
+    ``decode_other``: a ``ref`` or ``exc_class`` object)."""
 
     def encode(self, value, depth=0):
-        kind = type(value)
+        kind = type(value)  # exact types: a subclass (an int whose __eq__ lies) is not data
         if depth > 50:
             raise ValueError("value nested too deep to pass as data")
         if value is None or kind in (bool, int, str):
@@ -90,25 +83,43 @@ class _Subject:
             return {"dict": [[self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in value.items()]}
         if kind is bytes:
             return {"bytes": value.hex()}
+        return self.encode_other(value)
+
+    def decode(self, value):
+        if not isinstance(value, dict):
+            return value
+        if "ref" in value or "exc_class" in value:
+            return self.decode_other(value)
+        (tag, inner), = value.items()
+        if tag == "float":
+            return float(inner)
+        if tag == "dict":
+            return {self.decode(k): self.decode(v) for k, v in inner}
+        if tag == "bytes":
+            return bytes.fromhex(inner)
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](self.decode(v) for v in inner)
+
+
+# -- the subject: the repository's code, behind the pipe ------------------------------------------------------------
+
+
+def _exception_info(cls):
+    builtin = next(c.__name__ for c in cls.__mro__ if _BUILTIN_EXCEPTIONS.get(c.__name__) is c)
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "builtin": builtin}
+
+
+class _Subject(_Codec):
+    def __init__(self):
+        self.objects = {}
+
+    def encode_other(self, value):
         if isinstance(value, type) and issubclass(value, BaseException):
             return {"exc_class": _exception_info(value)}
         self.objects[id(value)] = value
-        return {"ref": id(value), "type": kind.__qualname__}
+        return {"ref": id(value), "type": type(value).__qualname__}
 
-    def decode(self, value):
-        if isinstance(value, dict):
-            if "ref" in value:
-                return self.objects[value["ref"]]
-            (tag, inner), = value.items()
-            if tag == "float":
-                return float(inner)
-            if tag == "dict":
-                return {self.decode(k): self.decode(v) for k, v in inner}
-            if tag == "bytes":
-                return bytes.fromhex(inner)
-            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](
-                self.decode(v) for v in inner)
-        return value
+    def decode_other(self, value):
+        return self.objects[value["ref"]]
 
     def answer(self, request):
         op = request["op"]
@@ -194,7 +205,7 @@ class _Remote:
         raise TypeError("the hidden tests cannot set attributes of the code under test's objects")
 
 
-class _Link:
+class _Link(_Codec):
     """The runner's end of the pipe to the subject."""
 
     def __init__(self, proc):
@@ -218,38 +229,16 @@ class _Link:
             self.exception_classes[key] = cls
         return self.exception_classes[key]
 
-    def encode(self, value):
-        kind = type(value)
-        if value is None or kind in (bool, int, str):
-            return value
-        if kind is float:
-            return value if value == value and value not in (float("inf"), float("-inf")) else {"float": repr(value)}
-        if kind in (list, tuple, set, frozenset):
-            return {kind.__name__: [self.encode(v) for v in value]}
-        if kind is dict:
-            return {"dict": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
-        if kind is bytes:
-            return {"bytes": value.hex()}
-        if kind is _Remote:
+    def encode_other(self, value):
+        if type(value) is _Remote:
             return {"ref": value._ref}
         raise TypeError("the hidden tests can pass only data or the code under test's own objects to it, "
-                        "not %s" % kind.__name__)
+                        "not %s" % type(value).__name__)
 
-    def decode(self, value):
-        if not isinstance(value, dict):
-            return value
-        if "ref" in value:
-            return _Remote(self, value["ref"], str(value.get("type", "object")))
+    def decode_other(self, value):
         if "exc_class" in value:
             return self.exception(value["exc_class"])
-        (tag, inner), = value.items()
-        if tag == "float":
-            return float(inner)
-        if tag == "dict":
-            return {self.decode(k): self.decode(v) for k, v in inner}
-        if tag == "bytes":
-            return bytes.fromhex(inner)
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](self.decode(v) for v in inner)
+        return _Remote(self, value["ref"], str(value.get("type", "object")))
 
 
 class _HiddenTests:
