@@ -20,6 +20,7 @@ setup(
         "matplotlib>=3.7",
         "numpy",
         "einops>=0.7",  # megatron-core's Mamba mixer (hybrid models)
+        "xxhash>=3.0",  # checkpoint file records: every byte hashed at page-cache speed
     ],
     extras_require={
         # triton: what PyPI's (CUDA) torch wheel brings along. With it importable, megatron-core takes

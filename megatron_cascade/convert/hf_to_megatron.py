@@ -16,6 +16,7 @@ from megatron_cascade.convert.safetensors_io import SafetensorsReader
 from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import write_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_megatron
+from megatron_cascade.model.checkpoint import write_file_record
 
 # Tensors HF checkpoints may carry that the model recomputes (ignored on import).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,6 +60,7 @@ def hf_to_megatron(
     copy_side_files(hf_dir, os.path.join(out_dir, HF_SUBDIR), include_config=True)
     write_source_dtypes(weights, all_hf_names(family, model), TORCH_DTYPES[hf_precision(config, config_path)],
                         TORCH_DTYPES[model.precision], out_dir)
+    write_file_record(out_dir)  # every load verifies each byte against it
     return model
 
 

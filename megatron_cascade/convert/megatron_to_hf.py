@@ -23,11 +23,16 @@ from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter, pa
 from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import DtypeRecord, read_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_hf
-from megatron_cascade.model.checkpoint import CheckpointError, read_model_config
+from megatron_cascade.model.checkpoint import CheckpointError, check_file_record, read_model_config
 
 
 def load_model_config(ckpt_dir: str) -> ModelConfig:
-    """The ``ModelConfig`` recorded in a weights directory's ``model_config.json``."""
+    """The ``ModelConfig`` recorded in a weights directory's ``model_config.json``, once every file of the
+    directory matches its ``files.json`` (where it has one)."""
+    try:
+        check_file_record(ckpt_dir)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
     try:
         raw = dict(read_model_config(ckpt_dir)["config"])
     except (CheckpointError, KeyError) as exc:

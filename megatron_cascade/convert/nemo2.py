@@ -26,6 +26,7 @@ from megatron_cascade.convert.dist_reader import read_dist_metadata
 from megatron_cascade.convert.errors import ConversionError
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files
 from megatron_cascade.convert.layout import validate_layout
+from megatron_cascade.model.checkpoint import write_file_record
 
 PREFIX = "module."
 # Config classes (by module) we can map; Llama 3.1+/3.2/3.3 configs use RoPE scaling, which the builder lacks.
@@ -136,4 +137,5 @@ def nemo2_to_megatron(nemo_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     validate_layout(model, tp, pp, ep)
     copy_dist_checkpoint(weights, out_dir, model, src_prefix=PREFIX)
     copy_side_files(os.path.join(nemo_dir, "context", "nemo_tokenizer"), os.path.join(out_dir, HF_SUBDIR))
+    write_file_record(out_dir)  # every load verifies each byte against it
     return model

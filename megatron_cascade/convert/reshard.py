@@ -15,6 +15,7 @@ from megatron_cascade.convert.dist_copy import copy_dist_checkpoint
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_directory_files
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.megatron_to_hf import load_model_config
+from megatron_cascade.model.checkpoint import write_file_record
 
 
 def reshard(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1) -> ModelConfig:
@@ -28,4 +29,5 @@ def reshard(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 
     hf_side = os.path.join(ckpt_dir, HF_SUBDIR)
     if os.path.isdir(hf_side):
         copy_directory_files(hf_side, os.path.join(out_dir, HF_SUBDIR))  # regular files inside the checkpoint only
+    write_file_record(out_dir)  # every load verifies each byte against it
     return model

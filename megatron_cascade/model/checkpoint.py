@@ -1,7 +1,8 @@
 """Model weights as Megatron distributed checkpoints (``torch_dist``), loadable at any TP/PP/EP layout.
 
 A weights directory holds the ``dist_checkpointing`` files plus ``model_config.json``: the
-architecture it was made from. Tensors are stored under the canonical (Transformer Engine spec) keys
+architecture it was made from, and ``files.json``: every other file's size and hash (XXH3-128), verified
+(each rank its share) before anything is read, so a flipped byte in any shard is refused by name. Tensors are stored under the canonical (Transformer Engine spec) keys
 of ``spec_layout``, so weights saved from the local spec on CPU load into the TE spec on GPU and back.
 Loading into a model of another architecture fails before any tensor is read, naming the fields that
 differ; a checkpoint that lacks a tensor the model needs, holds one at another shape, or holds one the
@@ -26,10 +27,12 @@ import torch
 
 from megatron_cascade.checkpoint_safety import UnsafeCheckpointError
 from megatron_cascade.checkpoint_safety.extra_state import check_extra_states
+from megatron_cascade.checkpoint_safety.integrity import check_record, damage, merge_shares, owner_rank, record_share
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict, is_extra_state, resolve_legacy_keys
 
 MODEL_CONFIG_FILE = "model_config.json"
+FILE_RECORD = "files.json"  # every other file's size and hash (``checkpoint_safety.integrity``)
 
 # Fields that change numerics or runtime, not the shape or meaning of the weights.
 _NON_ARCHITECTURE_FIELDS = {
@@ -151,8 +154,12 @@ def _signal_safe_writer_queue() -> None:
 _MANAGERS: list = []
 
 
-def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: ModelConfig) -> None:
-    """Save ``model`` (this rank's shard) into ``ckpt_dir``; collective over all ranks."""
+def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: ModelConfig, record: bool = True) -> None:
+    """Save ``model`` (this rank's shard) into ``ckpt_dir``; collective over all ranks.
+
+    ``record``: write ``files.json`` (``write_file_record``), which every load verifies; False when the
+    caller records a larger folder itself (a training checkpoint) or adds files first.
+    """
     from megatron.core import dist_checkpointing
 
     _signal_safe_writer_queue()
@@ -162,6 +169,32 @@ def save_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
         with open(os.path.join(ckpt_dir, MODEL_CONFIG_FILE), "w") as f:
             json.dump({"architecture": architecture_of(model_config), "config": asdict(model_config)}, f, indent=2)
     _barrier()
+    if record:
+        write_file_record(ckpt_dir)
+
+
+def gathered_record(folder: str) -> dict[str, dict] | None:
+    """The size and hash of every file under ``folder``, each rank hashing the shards it wrote; the
+    whole record on rank 0, None elsewhere. Collective over all ranks."""
+    shares = _gather(record_share(folder, _rank(), _world_size()))
+    return merge_shares(folder, shares) if _rank() == 0 else None
+
+
+def write_file_record(folder: str) -> None:
+    """Write ``folder/files.json``: the record ``load_model_weights`` verifies. Collective."""
+    record = gathered_record(folder)
+    if _rank() == 0:
+        with open(os.path.join(folder, FILE_RECORD), "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+    _barrier()
+
+
+def verify_files(folder: str, record: dict[str, dict] | None) -> str | None:
+    """The first problem any rank finds in ``folder`` against ``record`` (same answer on every rank),
+    or None: sizes everywhere, and every file's hash, each rank hashing its share. Collective."""
+    rank, world = _rank(), _world_size()
+    problems = _gather(damage(folder, record, verify=lambda rel: owner_rank(rel, world) == rank))
+    return next((problem for problem in problems if problem), None)
 
 
 def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: ModelConfig) -> None:
@@ -178,6 +211,7 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
 
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+    check_file_record(ckpt_dir)
     check_architecture(ckpt_dir, model_config)
     stored = _stored_metadata(ckpt_dir)
     tensors = {v.key: tuple(v.global_shape) for v in stored.values() if not _is_object(v)}
@@ -205,6 +239,22 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str, model_config: Mode
     missing = _missing_after_load(model, state)
     if missing:
         raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensors the model needs: {missing[:5]}")
+
+
+def check_file_record(ckpt_dir: str) -> None:
+    """Raise ``CheckpointError`` (on every rank) if a file of ``ckpt_dir`` differs from its ``files.json``.
+    A folder without one (converted or written before records existed) is not checked."""
+    path = os.path.join(ckpt_dir, FILE_RECORD)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            record = check_record(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); re-copy the checkpoint") from None
+    problem = verify_files(ckpt_dir, record)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged: {problem}; re-copy it (or re-create it)")
 
 
 def _stored_metadata(ckpt_dir: str) -> dict[str, Any]:
@@ -285,6 +335,10 @@ def _missing_after_load(model: torch.nn.Module, state: dict) -> list[str]:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def _barrier() -> None:

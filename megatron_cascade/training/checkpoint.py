@@ -11,8 +11,9 @@ A checkpoint is a folder ``step_00000N/`` holding
 It is written as ``step_00000N.partial/`` and renamed when every rank has finished and every file and
 folder of it is fsynced; then the ``latest`` pointer is replaced atomically. A crash at any moment
 leaves either the previous ``latest`` or the new one, never a half-written one. ``state.json`` records
-every file's size (and small files' hashes): a latest checkpoint damaged afterwards (truncated, a
-file lost) is skipped with a warning for the previous intact one (``checkpoint_integrity``).
+every file's size and hash (each rank hashes the shards it wrote): a latest checkpoint damaged
+afterwards (truncated, a file lost, a byte changed anywhere) is skipped with a warning for the previous
+intact one (``checkpoint_safety.integrity``; a resume verifies every byte, each rank its share).
 Nothing here unpickles code: ``.metadata`` files are read with an allow-list, objects, ``common.pt``
 and the RNG files with ``weights_only=True`` (``checkpoint_safety``).
 """
@@ -28,10 +29,12 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_cascade.checkpoint_safety.integrity import check_record, damage, fsync_path, fsync_tree
 from megatron_cascade.model import CheckpointError, save_model_weights
-from megatron_cascade.model.checkpoint import _barrier, _rank, _signal_safe_writer_queue
+from megatron_cascade.model.checkpoint import (
+    _barrier, _rank, _signal_safe_writer_queue, gathered_record, verify_files, write_file_record,
+)
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
-from megatron_cascade.training.checkpoint_integrity import damage, file_record, fsync_path, fsync_tree
 from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights, unwrap
 
 log = logging.getLogger(__name__)
@@ -211,7 +214,7 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
         for sub in ("rng", "optim"):
             os.makedirs(os.path.join(partial, sub), exist_ok=True)
     _barrier()
-    save_model_weights(policy.module, os.path.join(partial, "weights"), policy.model_config)
+    save_model_weights(policy.module, os.path.join(partial, "weights"), policy.model_config, record=False)
     save_optimizer_state(policy, os.path.join(partial, "optim"))
     with open(_rng_file(partial), "wb") as f:
         torch.save(_rng_state(), f)
@@ -220,6 +223,7 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
     meta = {"step": step, **state, "scheduler": policy.scheduler.state_dict(), "layout": _layout(),
             "optimizer": {"distributed": policy.parallel.use_distributed_optimizer}}
     _barrier()
+    meta["files"] = gathered_record(partial)  # each rank hashes the shards it wrote, still in its page cache
     if _rank() == 0:
         _seal(partial, meta)
         shutil.rmtree(final, ignore_errors=True)
@@ -233,12 +237,11 @@ def save_training_checkpoint(root: str, step: int, policy: Policy, state: dict[s
 
 def _seal(partial: str, meta: dict) -> None:
     """Write ``state.json`` (the completion marker, with the record of every other file's size and
-    small files' hashes, so that a damaged checkpoint is recognised) and fsync the whole folder.
+    hash, so that a damaged checkpoint is recognised) and fsync the whole folder.
 
     Megatron fsyncs the tensor shards it writes, not ``common.pt`` / ``metadata.json``, nor does
     torch.save or json.dump; nothing fsyncs the folders' entries.
     """
-    meta = {**meta, "files": file_record(partial)}
     with open(os.path.join(partial, "state.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     fsync_tree(partial)
@@ -263,32 +266,39 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "state.json"))
 
 
-def _damage(path: str) -> Optional[str]:
-    """Why the complete checkpoint ``path`` cannot be resumed from (its files differ from the record
-    in its ``state.json``), or None."""
+def _file_record(path: str) -> dict | str | None:
+    """The record in ``path/state.json`` (None: written before records existed), or why it is unreadable."""
     try:
         with open(os.path.join(path, "state.json")) as f:
             record = json.load(f).get("files")
+        return None if record is None else check_record(record)
     except (OSError, ValueError, AttributeError) as exc:
         return f"state.json unreadable ({exc})"
-    return damage(path, record)
 
 
-def read_latest(root: str) -> Optional[str]:
+def _damage(path: str) -> Optional[str]:
+    """Why the complete checkpoint ``path`` cannot be resumed from by a quick look (a file missing, of
+    another size, or a small one rewritten; see ``_verified``), or None."""
+    record = _file_record(path)
+    return record if isinstance(record, str) else damage(path, record)
+
+
+def read_latest(root: str, rejected: tuple[str, ...] = ()) -> Optional[str]:
     """The folder of the last complete, intact checkpoint under ``root``, or None.
 
     Follows the ``latest`` pointer; if what it names is gone or incomplete (a folder removed by
     hand, a file system that lost the rename), falls back to the newest complete ``step_*``. A
-    complete checkpoint whose files differ from its record (truncated, missing, rewritten) is
-    skipped with a warning naming the file, for the newest intact one before it (``keep_last`` >= 2
-    keeps one). Every rank reaches the same answer: it depends only on the files.
+    complete checkpoint whose files differ from its record at a quick look (truncated, missing,
+    small files rewritten) is skipped with a warning naming the file, for the newest intact one
+    before it (``keep_last`` >= 2 keeps one); so are ``rejected`` ones (found damaged by a full
+    verification, ``agreed_latest``). Every rank reaches the same answer: it depends only on the files.
     """
     pointer = os.path.join(root, LATEST)
     damaged: list[tuple[str, str]] = []
     if os.path.isfile(pointer):
         with open(pointer) as f:
             path = os.path.join(root, f.read().strip())
-        if _complete(path):
+        if _complete(path) and path not in rejected:
             problem = _damage(path)
             if problem is None:
                 return path
@@ -298,7 +308,7 @@ def read_latest(root: str) -> Optional[str]:
     steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".partial"))
     found = None
     for path in reversed([os.path.join(root, d) for d in steps]):
-        if not _complete(path) or any(path == bad for bad, _ in damaged):
+        if not _complete(path) or path in rejected or any(path == bad for bad, _ in damaged):
             continue
         problem = _damage(path)
         if problem is None:
@@ -314,27 +324,46 @@ def read_latest(root: str) -> Optional[str]:
 
 
 def agreed_latest(root: str) -> Optional[str]:
-    """``read_latest(root)`` as rank 0 sees it, on every rank (collective when distributed).
+    """The checkpoint under ``root`` to resume from, the same on every rank, every byte verified
+    (collective when distributed).
 
     Each rank reading the files itself can disagree on a cluster file system (a ``latest`` rename
     or a new folder not yet visible on every node): ranks would resume from different steps, or
-    some start over. Rank 0 decides and broadcasts; a rank that cannot see that checkpoint raises
-    ``CheckpointError`` on every rank (output_dir must be on a file system all nodes share).
+    some start over. Rank 0 decides (``read_latest``) and broadcasts; a rank that cannot see that
+    checkpoint raises ``CheckpointError`` on every rank (output_dir must be on a file system all
+    nodes share). Then every rank hashes its share of the checkpoint's files against the record
+    (``verify_files``); a checkpoint with a changed byte is skipped with a warning, as a truncated one is.
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return read_latest(root)
-    choice = [read_latest(root) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    latest = choice[0]
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rejected: tuple[str, ...] = ()
+    while True:
+        choice = [read_latest(root, rejected) if _rank() == 0 else None]
+        if distributed:
+            dist.broadcast_object_list(choice, src=0)
+            _everyone_sees(choice[0])
+        latest = choice[0]
+        if latest is None:
+            return None
+        record = _file_record(latest)
+        problem = record if isinstance(record, str) else verify_files(latest, record)
+        if problem is None:
+            return latest
+        if _rank() == 0:
+            log.warning("checkpoint %s is damaged (%s); looking for the previous intact checkpoint", latest, problem)
+        rejected += (latest,)
+
+
+def _everyone_sees(latest: Optional[str]) -> None:
+    import torch.distributed as dist
+
     sees = [None] * dist.get_world_size()
     dist.all_gather_object(sees, latest is None or _complete(latest))
     blind = [rank for rank, ok in enumerate(sees) if not ok]
     if blind:
         raise CheckpointError(f"rank 0 resumes from {latest}, which ranks {blind} cannot see: the run's output_dir "
                               "must be on a file system every node shares (and sees up to date)")
-    return latest
 
 
 def load_training_checkpoint(path: str, policy: Policy) -> dict[str, Any]:
@@ -407,11 +436,14 @@ def save_final_weights(path: str, policy: Policy, extra_files: dict[str, str]) -
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()
-    save_model_weights(policy.module, partial, policy.model_config)
+    save_model_weights(policy.module, partial, policy.model_config, record=False)
     if _rank() == 0:
         for name, text in extra_files.items():
             with open(os.path.join(partial, name), "w") as f:
                 f.write(text)
+    _barrier()
+    write_file_record(partial)  # what every later load (next stage, teachers, evaluation) verifies
+    if _rank() == 0:
         fsync_tree(partial)  # durable before the manifest can call the stage complete
         shutil.rmtree(path, ignore_errors=True)
         os.rename(partial, path)

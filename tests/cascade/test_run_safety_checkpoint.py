@@ -147,7 +147,7 @@ def _agreement_worker(root: str, blind_rank: int) -> dict:
             f.write("step_000002")
     dist.barrier()
     if dist.get_rank() == 1:  # a node whose view of the shared file system lags
-        checkpoint.read_latest = lambda root: None
+        checkpoint.read_latest = lambda root, rejected=(): None
     if dist.get_rank() == blind_rank:
         checkpoint._complete = lambda path: False
     own = checkpoint.read_latest(root)
@@ -207,3 +207,75 @@ def test_nonfinite_weights_are_never_sealed(tmp_path):
         assert result["outcome"].startswith("CheckpointError: refusing to seal"), result
         assert "decoder.layers.0.mlp.linear_fc1.weight" in result["outcome"], result
         assert result["dirs"] == ["healthy"], result
+
+
+WIDE = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=4096, ffn_hidden_size=128)
+
+
+def _scribble(path: str) -> None:
+    """64 KiB of garbage in the middle of ``path``, its size unchanged."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(os.urandom(64 << 10))
+
+
+def _largest_shard_of(folder: str, rank: int | None = None) -> str:
+    shards = [os.path.join(folder, name) for name in os.listdir(folder)
+              if name.endswith(".distcp") and (rank is None or name.startswith(f"__{rank}_"))]
+    return max(shards, key=os.path.getsize)
+
+
+def _every_byte_worker(root: str) -> dict:
+    """DP=2: save steps 2 and 4 and final weights; scribble inside rank 1's largest optimizer shard of
+    step 4 and inside a weights shard of the final folder; resume and load as a stage would."""
+    import torch.distributed as dist
+
+    from megatron_cascade.model import CheckpointError, initialize_model_parallel, load_model_weights
+    from megatron_cascade.training import build_policy
+    from megatron_cascade.training.checkpoint import agreed_latest, save_final_weights, save_training_checkpoint
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    policy = build_policy(WIDE, ParallelConfig(), OptimizerConfig(), total_steps=4)
+    for step in (2, 4):
+        save_training_checkpoint(root, step, policy, {"stage": "s"}, keep_last=2)
+    final = os.path.join(root, "final")
+    save_final_weights(final, policy, {"note.txt": "x\n"})
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron_cascade.training").addHandler(handler)
+    victim = _largest_shard_of(os.path.join(root, "step_00000004", "optim"), rank=1)
+    weights_victim = _largest_shard_of(final)  # replicas: rank 0 wrote them
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _scribble(victim)
+        _scribble(weights_victim)
+    dist.barrier()
+    latest = agreed_latest(root)
+    try:
+        load_model_weights(policy.module, final, WIDE)
+        loaded = "loaded"
+    except CheckpointError as exc:
+        loaded = f"CheckpointError: {exc}"
+    return {"latest": latest, "victim": victim, "victim_bytes": os.path.getsize(victim),
+            "weights_victim": weights_victim, "loaded": loaded, "warnings": warnings}
+
+
+def test_a_changed_byte_in_any_file_is_found_by_the_rank_that_wrote_it(tmp_path):
+    """Before: only files up to 1 MiB were hashed; 64 KiB of garbage inside a large optimizer shard
+    was resumed from (a stage then ended in NaN weights), and a final-weights shard carried no record
+    at all. Now every file is hashed at save (each rank its own shards) and verified at resume and at
+    every load: the resume falls back to step 2 with a warning, the load is refused naming the file."""
+    root = str(tmp_path / "ckpt")
+    ranks = run_distributed(_every_byte_worker, 2, root)
+    step_2, step_4 = os.path.join(root, "step_00000002"), os.path.join(root, "step_00000004")
+    victim = os.path.relpath(ranks[0]["victim"], step_4)
+    assert ranks[0]["victim_bytes"] > 1 << 20, ranks[0]  # larger than any file the old record hashed
+    for result in ranks:
+        assert result["latest"] == step_2, result
+        shard = os.path.basename(result["weights_victim"])
+        assert result["loaded"].startswith(f"CheckpointError: checkpoint {root}/final is damaged: {shard}: content "
+                                           "differs from what was written (xxh3_128)"), result
+    assert ranks[0]["warnings"] == [f"checkpoint {step_4} is damaged ({victim}: content differs from what was "
+                                    "written (xxh3_128)); looking for the previous intact checkpoint"], ranks[0]
+    assert ranks[1]["warnings"] == []
