@@ -5,9 +5,14 @@ shapes, dtypes, chunks and where each chunk is stored. ``read_dcp_metadata`` unp
 the classes such a file holds (DCP's metadata and save-plan dataclasses, ``torch.Size``, dtypes,
 layouts, memory formats; Megatron's two legacy placeholder classes), then checks its structure:
 shapes of non-negative ints, chunks inside their tensor, storage entries naming a plain file of the
-directory (no ``../``), non-negative offsets and lengths. ``check_data_spans`` adds that every data
-file exists and holds each span it is said to hold (run before reading data: a forged length would
-otherwise be allocated whole).
+directory (no ``../``), non-negative offsets and lengths, and at most ``MAX_CHUNKS_PER_FILE`` chunks
+of a tensor per data file holding it. ``check_data_spans`` adds that every data file exists and holds
+each span it is said to hold (run before reading data: a forged length would otherwise be allocated whole).
+
+Bounded work: the file is at most ``MAX_METADATA_BYTES`` (parsed at ~0.5 s/MiB here), and a loader's
+work grows with chunks (each chunk is a read and a ``torch.load``: ~0.6 ms); a forged file of 1-element
+chunks stalled every loader for hours (7 s per MiB of metadata). Writers store one chunk of a tensor per
+rank, two for SwiGLU's [gate; up] (Megatron, our converter), so the per-file bound leaves room.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from megatron_cascade.checkpoint_safety.restricted_pickle import (
 )
 
 METADATA_FILE = ".metadata"
+# Megatron writes a few MB for 100B-parameter models at thousands of ranks; this parses in ~2 minutes.
+MAX_METADATA_BYTES = 256 << 20
+MAX_CHUNKS_PER_FILE = 8
 _META = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
@@ -56,7 +64,7 @@ def read_dcp_metadata(ckpt_dir: str, filename: str = METADATA_FILE):
     if it names a class outside the allow-list, is corrupt or is structurally invalid.
     """
     path = os.path.join(str(ckpt_dir), filename)
-    meta = restricted_loads(read_limited(path), _allowed, path)
+    meta = restricted_loads(read_limited(path, MAX_METADATA_BYTES), _allowed, path)
     try:
         check_metadata(meta)
     except UnsafeCheckpointError as exc:
@@ -74,6 +82,7 @@ def check_metadata(meta: Any) -> None:
     _require(type(meta) is Metadata, f"holds a {type(meta).__name__}, not a DCP Metadata")
     entries = meta.state_dict_metadata
     _require(isinstance(entries, dict), "state_dict_metadata is not a dict")
+    files_of = _check_storage(meta.storage_data)
     checked: set[int] = set()  # entries shared through the pickle memo are checked once
     for key, item in entries.items():
         _require(isinstance(key, str), f"key {key!r} is not a string")
@@ -81,19 +90,21 @@ def check_metadata(meta: Any) -> None:
             continue
         checked.add(id(item))
         if isinstance(item, TensorStorageMetadata):
-            _check_tensor(key, item)
+            _check_tensor(key, item, len(files_of.get(key, ())))
         else:
             _require(type(item) is BytesStorageMetadata, f"{key}: entry of type {type(item).__name__}")
-    _check_storage(meta.storage_data)
 
 
-def _check_tensor(key: str, item: Any) -> None:
+def _check_tensor(key: str, item: Any, files: int) -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
 
     _require(type(item.properties) is TensorProperties and isinstance(item.properties.dtype, torch.dtype),
              f"{key}: no valid dtype")
     size = _shape(item.size, f"{key}: global shape")
     _require(isinstance(item.chunks, list), f"{key}: chunks is not a list")
+    _require(len(item.chunks) <= MAX_CHUNKS_PER_FILE * max(files, 1),
+             f"{key}: {len(item.chunks)} chunks in {files} data file(s); writers store one or two per rank "
+             f"(at most {MAX_CHUNKS_PER_FILE} per file are read)")
     for chunk in item.chunks:
         _require(type(chunk) is ChunkStorageMetadata, f"{key}: a chunk of type {type(chunk).__name__}")
         offsets = _shape(chunk.offsets, f"{key}: chunk offsets")
@@ -109,12 +120,14 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_storage(storage: Any) -> None:
+def _check_storage(storage: Any) -> dict[str, set[str]]:
+    """Check every storage entry; returns {tensor key: the data files holding its chunks}."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
+    files_of: dict[str, set[str]] = {}
     if storage is None:  # metadata written without storage info (never by FileSystemWriter)
-        return
+        return files_of
     _require(isinstance(storage, dict), "storage_data is not a dict")
     for index, info in storage.items():
         _require(type(index) is MetadataIndex and isinstance(index.fqn, str), "a storage key is not a MetadataIndex")
@@ -129,6 +142,8 @@ def _check_storage(storage: Any) -> None:
         _require(descriptors is None or (isinstance(descriptors, (list, tuple))
                                          and all(isinstance(d, str) for d in descriptors)),
                  f"{index.fqn}: transform descriptors {descriptors!r} are not strings")
+        files_of.setdefault(index.fqn, set()).add(name)
+    return files_of
 
 
 def check_data_spans(ckpt_dir: str, meta: Any) -> None:

@@ -380,3 +380,32 @@ def test_getattr_in_a_pickle_reaches_only_enum_members(tmp_path, target, name):
     (tmp_path / ".metadata").write_bytes(data)
     with pytest.raises(UnsafeCheckpointError, match=r"only a member of an allowed Enum"):
         read_dcp_metadata(str(tmp_path))
+
+
+def test_a_metadata_of_countless_tiny_chunks_is_refused_before_any_read(tmp_path):
+    """Red team (issue 29): an allow-listed ``.metadata`` splitting a tensor into 1-element chunks made
+    every loader read and ``torch.load`` each one (7 s per MiB of metadata: hours at the old 1 GiB cap).
+    Now a tensor may have at most 8 chunks per data file holding it, and the file at most 256 MiB."""
+    import time
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
+    from megatron_cascade.checkpoint_safety.dcp_metadata import MAX_METADATA_BYTES
+
+    n = 20_000
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i]), sizes=torch.Size([1])) for i in range(n)]
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n]), chunks)
+    storage = {MetadataIndex("w", torch.Size([i])): _StorageInfo("__0_0.distcp", 4 * i, 4) for i in range(n)}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({"w": entry}, storage_data=storage)))
+    start = time.perf_counter()
+    with pytest.raises(UnsafeCheckpointError, match=r"w: 20000 chunks in 1 data file\(s\)"):
+        read_dcp_metadata(str(tmp_path))
+    assert time.perf_counter() - start < 30  # ~1 s here; the load it prevents took ~12 s per 1,000 chunks
+    with open(tmp_path / ".metadata", "wb") as f:
+        f.truncate(MAX_METADATA_BYTES + 1)  # sparse: refused by its size, never read
+    with pytest.raises(UnsafeCheckpointError, match=f"more than the {MAX_METADATA_BYTES} a metadata file may have"):
+        read_dcp_metadata(str(tmp_path))

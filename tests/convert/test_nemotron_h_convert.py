@@ -94,7 +94,7 @@ def single_worker(tmp: str) -> dict:
     with torch.no_grad():
         hf = model(sample_tokens(VOCAB, TOKENS)).logits.float()
     # a checkpoint without the imported HF config (as training writes them): the config is made from ours
-    shutil.copytree(f"{tmp}/meg", f"{tmp}/meg_trained", ignore=shutil.ignore_patterns("hf"))
+    shutil.copytree(f"{tmp}/meg", f"{tmp}/meg_trained", ignore=shutil.ignore_patterns("hf", "files.json"))
     megatron_to_hf(f"{tmp}/meg_trained", f"{tmp}/hf_from_scratch")
     meta = read_dist_metadata(f"{tmp}/meg_bf16").state_dict_metadata
     out = io.StringIO()
