@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import OnBadRow
+from megatron_cascade.rewards.registry import EPISODE_RECORD
 
 log = logging.getLogger(__name__)
+
+RowCheck = Callable[[dict], None]  # raises ValueError naming what the row lacks
 
 
 class DataError(ValueError):
@@ -73,7 +76,8 @@ def _decode(raw: bytes) -> str:
                         f"({exc.reason})") from None
 
 
-def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prompt_tokens: int) -> Example:
+def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prompt_tokens: int,
+               check_row: Optional[RowCheck]) -> Example:
     line = _decode(raw)
     try:
         row = json.loads(line)
@@ -83,6 +87,13 @@ def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prom
         raise DataError("a row must be a JSON object")
     if row.get("domain", domain) != domain:
         raise DataError(f"row says domain {row['domain']!r} but is listed under domain {domain!r}")
+    if EPISODE_RECORD in row:
+        raise DataError(f"a row may not hold {EPISODE_RECORD!r}: the key is the runner's record of an episode")
+    if check_row is not None:
+        try:
+            check_row(row)
+        except ValueError as exc:  # the domain's environment cannot run this row (e.g. an unknown tool)
+            raise DataError(str(exc)) from None
     if need_response and not isinstance(row.get("response"), str):
         raise DataError("an sft stage needs a string 'response' in every row")
     messages, tools = _messages(row), _tools(row)
@@ -96,10 +107,11 @@ def _parse_row(raw: bytes, domain: str, tokenizer, need_response: bool, max_prom
 
 
 def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False, max_prompt_tokens: int = 512,
-               digest=None) -> Iterator[Example | DataError]:
+               digest=None, check_row: Optional[RowCheck] = None) -> Iterator[Example | DataError]:
     """Each non-empty row of the JSONL file ``path`` as an ``Example``, or a ``DataError`` naming
     ``path:line`` and what is wrong with it. Raises ``DataError`` when the file cannot be opened.
-    ``digest``: a ``hashlib`` object fed every byte of the file as it is read (read to the end)."""
+    ``digest``: a ``hashlib`` object fed every byte of the file as it is read (read to the end).
+    ``check_row``: the domain environment's check of a row (its ``ValueError`` makes the row bad)."""
     try:
         # Binary: a line that is not UTF-8 is one bad row reported as path:line, not a crash of the read.
         handle = open(path, "rb")
@@ -113,7 +125,7 @@ def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False
                 continue
             where = f"{path}:{number}"
             try:
-                example = _parse_row(line, domain, tokenizer, need_response, max_prompt_tokens)
+                example = _parse_row(line, domain, tokenizer, need_response, max_prompt_tokens, check_row)
             except DataError as exc:
                 error = DataError(f"{where}: {exc}")
                 error.where, error.problem = where, str(exc)
@@ -123,14 +135,14 @@ def parse_rows(path: str, domain: str, tokenizer, *, need_response: bool = False
 
 
 def load_examples(path: str, domain: str, tokenizer, *, on_bad_row: str = "skip", need_response: bool = False,
-                  max_prompt_tokens: int = 512, digest=None) -> list[Example]:
+                  max_prompt_tokens: int = 512, digest=None, check_row: Optional[RowCheck] = None) -> list[Example]:
     """Read a JSONL file of ``domain``; bad rows are reported with ``path:line`` and skipped or fatal.
-    ``digest``: as for ``parse_rows`` (a stage's checkpoints record its data files' SHA-256)."""
+    ``digest``, ``check_row``: as for ``parse_rows`` (a stage's checkpoints record its data files' SHA-256)."""
     if on_bad_row not in OnBadRow.values():
         raise ConfigError(f"data.on_bad_row={on_bad_row!r} is not one of {OnBadRow.values()}")
     examples, bad = [], 0
     for row in parse_rows(path, domain, tokenizer, need_response=need_response, max_prompt_tokens=max_prompt_tokens,
-                          digest=digest):
+                          digest=digest, check_row=check_row):
         if isinstance(row, DataError):
             if on_bad_row == "error":
                 raise row

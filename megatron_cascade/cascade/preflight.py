@@ -3,7 +3,8 @@
 A typo in a later stage's data file used to surface when that stage started (20-40 minutes into the
 demo, hours into a real cascade), and ``--stage`` was checked only after the output folder existed.
 ``preflight`` reads, for every stage still to run, each domain's data file (it opens, and its first
-rows parse as the stage needs them: prompts, and references for SFT), the eval files, the
+rows parse as the stage needs them: prompts, references for SFT, what the domain's environment
+needs, e.g. tools the config maps), the eval files, the
 ``init_checkpoint`` folder, and with ``--stage`` the stage's name and the earlier stages it starts
 from or distils from; every problem goes into one ``ConfigError``.
 """
@@ -18,6 +19,7 @@ from megatron_cascade.cascade.data import DataError, parse_rows
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.config import ConfigError, RunConfig
 from megatron_cascade.config.loader import start_stage
+from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.stages import stage_class
 
 ROWS_CHECKED = 100  # rows of each data file parsed up front (the whole file is read when its stage starts)
@@ -34,17 +36,19 @@ def preflight(cfg: RunConfig, tokenizer, only_stage: Optional[str] = None) -> No
               and (only_stage is None or s.name == only_stage)]
     if only_stage is not None:
         problems += _missing_predecessors(cfg, manifest, to_run)
-    reads: dict[tuple[str, str], bool] = {}  # (domain, file) -> whether its rows need a reference response
+    # (domain, file) -> (whether its rows need a reference response, whether they start episodes)
+    reads: dict[tuple[str, str], tuple[bool, bool]] = {}
     for index in to_run:
         kind = stage_class(cfg.stages[index].type)
         for domain in cfg.stages[index].domains:
             key = (domain, kind.data_path(cfg.domains[domain]))
-            reads[key] = reads.get(key, False) or kind.needs_response
-    for (domain, path), need_response in sorted(reads.items()):
-        problems += _file_problems(path, domain, tokenizer, cfg, need_response)
+            response, episodes = reads.get(key, (False, False))
+            reads[key] = (response or kind.needs_response, episodes or kind.runs_episodes)
+    for (domain, path), (need_response, episodes) in sorted(reads.items()):
+        problems += _file_problems(path, domain, tokenizer, cfg, need_response, episodes)
     for domain, spec in sorted(cfg.domains.items()):
         if spec.eval:
-            problems += _file_problems(spec.eval, domain, tokenizer, cfg, False)
+            problems += _file_problems(spec.eval, domain, tokenizer, cfg, False, True)
     if 0 in to_run and cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
         problems.append(f"init_checkpoint: folder {cfg.init_checkpoint} does not exist")
     if problems:
@@ -67,11 +71,18 @@ def _missing_predecessors(cfg: RunConfig, manifest: Manifest, to_run: list[int])
     return problems
 
 
-def _file_problems(path: str, domain: str, tokenizer, cfg: RunConfig, need_response: bool) -> list[str]:
-    """Why the first ``ROWS_CHECKED`` rows of ``path`` cannot be used (empty list: they can)."""
+def _file_problems(path: str, domain: str, tokenizer, cfg: RunConfig, need_response: bool,
+                   episodes: bool) -> list[str]:
+    """Why the first ``ROWS_CHECKED`` rows of ``path`` cannot be used (empty list: they can), as
+    data and, when they start ``episodes``, for the domain's environment (e.g. a tool the config
+    does not map)."""
     try:
+        check_row = domain_row_check(domain, cfg.domains[domain]) if episodes else None
         rows = list(itertools.islice(parse_rows(path, domain, tokenizer, need_response=need_response,
-                                                max_prompt_tokens=cfg.data.max_prompt_tokens), ROWS_CHECKED))
+                                                max_prompt_tokens=cfg.data.max_prompt_tokens, check_row=check_row),
+                                     ROWS_CHECKED))
+    except ConfigError as exc:
+        return [str(exc)]
     except DataError as exc:
         return [f"domains.{domain}: {exc}"]
     bad = [error for error in rows if isinstance(error, DataError)]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.cascade.data import load_examples
+from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.cascade.preflight import preflight
 from megatron_cascade.cascade.resume_check import check_resume
@@ -49,7 +50,8 @@ def build_context(cfg: RunConfig, tokenizer=None, allowed_changes: Sequence[str]
     tokenizer = tokenizer if tokenizer is not None else build_run_tokenizer(cfg)
     eval_domains = sorted(d for d, spec in cfg.domains.items() if spec.eval)
     eval_sets = {d: load_examples(cfg.domains[d].eval, d, tokenizer, on_bad_row=cfg.data.on_bad_row,
-                                  max_prompt_tokens=cfg.data.max_prompt_tokens) for d in eval_domains}
+                                  max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                  check_row=domain_row_check(d, cfg.domains[d])) for d in eval_domains}
     rewards = build_domain_rewards(cfg.domains, eval_domains)
     return RunContext(cfg, tokenizer, Manifest(cfg.output_dir),
                       PreemptionWatch(margin_s=cfg.checkpoint.time_limit_margin_s), eval_sets, rewards,

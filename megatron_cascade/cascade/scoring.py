@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.config.schema import DomainConfig
+from megatron_cascade.environments.episode import EpisodeSample, episode_record
 from megatron_cascade.rewards import build_reward, score_batch
 from megatron_cascade.rewards.reasoning import ReasoningParser, build_reasoning_parser
 from megatron_cascade.rewards.sandbox import SandboxUnavailableError
-from megatron_cascade.rewards.registry import is_group_reward, score_group
+from megatron_cascade.rewards.registry import EPISODE_RECORD, is_group_reward, score_group
 from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
 from megatron_cascade.rollout import RolloutSample
 from megatron_cascade.rollout.groups import model_parallel_source
@@ -162,7 +163,16 @@ class RolloutScorer:
         if answer is None:
             return
         self.tickets[sample_index] = self.pool.submit(
-            self.rewards[domain], answer, self.prompt_rows[prompt], timeout_s=self.domains[domain].reward.timeout_s)
+            self.rewards[domain], answer, self._row(prompt, sample), timeout_s=self.domains[domain].reward.timeout_s)
+
+    def _row(self, prompt: int, sample: RolloutSample) -> dict:
+        """The ``sample`` the reward reads: the prompt's data row, plus for an episode the runner's
+        record of it (``EPISODE_RECORD``: which text the model wrote, turn by turn)."""
+        row = self.prompt_rows[prompt]
+        if not isinstance(sample, EpisodeSample):
+            return row
+        parser = self.parsers[self.prompt_domains[prompt]]
+        return {**row, EPISODE_RECORD: episode_record(sample, self.tokenizer, parser)}
 
     def _answer(self, domain: str, sample_index: int, sample: RolloutSample) -> Optional[str]:
         """The text the reward reads: the decoded response, or its answer after the reasoning; None

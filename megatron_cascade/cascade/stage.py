@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
+from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.cascade.evaluation import DomainEval, data_parallel, evaluate_detailed
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
@@ -133,7 +134,9 @@ class StageRunner:
         digests = {d: hashlib.sha256() for d in self.stage.domains}  # fed by the one read of each file
         self.datasets = {d: load_examples(self.kind.data_file(d), d, self.tok, on_bad_row=self.cfg.data.on_bad_row,
                                           need_response=self.kind.needs_response,
-                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens, digest=digests[d])
+                                          max_prompt_tokens=self.cfg.data.max_prompt_tokens, digest=digests[d],
+                                          check_row=domain_row_check(d, self.cfg.domains[d])
+                                          if self.kind.runs_episodes else None)
                          for d in self.stage.domains}
         self.data_record = {d: {"path": self.kind.data_file(d), "sha256": digests[d].hexdigest()}
                             for d in self.stage.domains}

@@ -75,6 +75,13 @@ class Environment:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    @classmethod
+    def check_row(cls, row: dict, kwargs: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` when the data ``row`` cannot start an episode of this environment
+        built with ``kwargs`` (the domain's ``environment.kwargs``). Called for every row when the data
+        loads (the run's preflight, each stage's start), so a bad row is a data error before any
+        step, not a failed episode. Default: any row."""
+
     def start(self, row: dict) -> Any:
         """Per-episode state for the data ``row`` (default: the row itself)."""
         return row
@@ -129,6 +136,12 @@ def _lookup(name: str) -> type[Environment]:
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
         raise TypeError(f"environment {name!r} is not a subclass of megatron_cascade.environments.Environment")
     return obj
+
+
+def row_checker(name: str, kwargs: Mapping[str, Any] | None) -> Callable[[dict], None]:
+    """``check_row`` of environment ``name`` bound to ``kwargs`` (KeyError/TypeError: unknown name)."""
+    cls, kwargs = _lookup(name), dict(kwargs or {})
+    return lambda row: cls.check_row(row, kwargs)
 
 
 def build_environment(name: str, kwargs: Mapping[str, Any] | None, tokenizer: Tokenizer) -> Environment:

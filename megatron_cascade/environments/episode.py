@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_cascade.environments.base import EnvStep, Environment
+from megatron_cascade.rewards.reasoning import ReasoningParser
 from megatron_cascade.rollout.batch import RolloutSample
+from megatron_cascade.tokenizers.base import Tokenizer
 
 
 @dataclass
@@ -31,6 +33,8 @@ class EpisodeSample(RolloutSample):
             environment step raised: the model's turn made the step impossible (the episode scores 0,
             a verdict, not an invalid sample).
         metrics: environment metrics summed over the episode's steps (``EnvStep.metrics``).
+        turn_spans: per model turn, its ``[start, end)`` in ``response_ids`` (the runner's record of
+            which tokens the model wrote; see :func:`episode_record`).
 
     ``finish_reason`` is "stop" when the environment ended the episode, "length" when a turn hit its
     token budget or the episode its turn / token budget.
@@ -43,6 +47,25 @@ class EpisodeSample(RolloutSample):
     env_error: Optional[str] = None
     response_fault: Optional[str] = None
     metrics: dict[str, float] = field(default_factory=dict)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+def episode_record(sample: EpisodeSample, tokenizer: Tokenizer,
+                   parser: Optional[ReasoningParser] = None) -> dict[str, Any]:
+    """What a reward reads as ``sample[EPISODE_RECORD]`` (never split from the transcript's text, in
+    which the model can write a fake tool response):
+
+    * ``model_turns``: each model turn decoded on its own, as its environment step read it;
+    * ``last_turn_answer``: the last model turn after its reasoning when the domain has a reasoning
+      ``parser`` ("" when that reasoning never closed), else the whole last turn.
+    """
+    ids = sample.response_ids
+    turns = [tokenizer.decode(ids[start:end]) for start, end in sample.turn_spans]
+    last = turns[-1] if turns else ""
+    if parser is not None and turns:
+        context = list(sample.prompt_ids) + list(ids[:sample.turn_spans[-1][0]])
+        last = parser.parse(last, opened_in_prompt=parser.prompt_opens(tokenizer, context)).answer
+    return {"model_turns": turns, "last_turn_answer": last}
 
 
 @dataclass
@@ -81,6 +104,7 @@ class Episode:
         same as a smaller budget: a token's sampling does not depend on the budget."""
         s, keep = self.sample, self.tokens_left
         cut = len(turn.response_ids) > keep
+        s.turn_spans.append((len(s.response_ids), len(s.response_ids) + min(keep, len(turn.response_ids))))
         s.response_ids += turn.response_ids[:keep]
         s.response_logprobs += turn.response_logprobs[:keep]
         s.sampled_logprobs += turn.sampled_logprobs[:keep]

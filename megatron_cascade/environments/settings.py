@@ -3,13 +3,13 @@ episodes' outcomes adjust the scores the domain rewards gave."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from megatron_cascade.config.model import ConfigError
 from megatron_cascade.config.schema import DomainConfig
-from megatron_cascade.environments.base import build_environment
+from megatron_cascade.environments.base import build_environment, row_checker
 from megatron_cascade.environments.episode import EpisodeSample, EpisodeSettings
 from megatron_cascade.tokenizers.base import Tokenizer
 
@@ -25,12 +25,26 @@ def domain_episode_settings(domains: Mapping[str, DomainConfig], names: Sequence
         try:
             env = build_environment(spec.name, spec.kwargs, tokenizer)
         except (KeyError, TypeError, ValueError, ImportError) as exc:
-            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            raise ConfigError(f"domains.{name}.environment: {message}") from exc
+            raise _config_error(name, exc) from exc
         turns = 1 if env.one_turn else spec.max_turns
         budget = spec.max_episode_tokens or turns * max_new_tokens
         out[name] = EpisodeSettings(env, turns, budget, spec.step_timeout_s)
     return out
+
+
+def domain_row_check(name: str, domain: DomainConfig) -> Callable[[dict], None]:
+    """The check of a data row of domain ``name`` by its environment (``Environment.check_row``),
+    for the data loader; an unknown environment is a ``ConfigError`` naming ``domains.<d>.environment``."""
+    spec = domain.environment
+    try:
+        return row_checker(spec.name, spec.kwargs)
+    except (KeyError, TypeError, ImportError) as exc:
+        raise _config_error(name, exc) from exc
+
+
+def _config_error(name: str, exc: Exception) -> ConfigError:
+    message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    return ConfigError(f"domains.{name}.environment: {message}")
 
 
 def episode_scores(samples: Sequence[EpisodeSample], scores: torch.Tensor,

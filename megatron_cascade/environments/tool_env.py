@@ -47,6 +47,12 @@ def declared_tools(row: dict) -> dict[str, dict]:
     return out
 
 
+def _check_known(name: str, mapped: Mapping[str, Any]) -> None:
+    if name not in mapped and name not in BUILTIN_TOOLS:
+        raise ValueError(f"the row declares tool {name!r}, which environment.kwargs.tools does not map "
+                         f"and is not a built-in ({', '.join(BUILTIN_TOOLS)})")
+
+
 @register_environment("tool_calling")
 class ToolCallingEnvironment(Environment):
     """Tools declared per row, implemented by name.
@@ -74,13 +80,19 @@ class ToolCallingEnvironment(Environment):
             if isinstance(impl, PythonTool):
                 impl.preflight()
 
+    @classmethod
+    def check_row(cls, row: dict, kwargs: Mapping[str, Any]) -> None:
+        """The row declares valid tool schemas, each the config's (``kwargs["tools"]``) or a built-in."""
+        mapped = kwargs.get("tools") or {}
+        for name in declared_tools(row):
+            _check_known(name, mapped)
+
     def _impl(self, name: str) -> ToolFn:
         """The implementation of a tool a row declares: the config's, else the built-in of that name.
-        A row is data: a name it declares never imports code (``os:system`` is refused)."""
+        A row is data: a name it declares never imports code (``os:system`` is refused; rows are
+        checked when the data loads, and again here)."""
         if name not in self.impls:
-            if name not in BUILTIN_TOOLS:
-                raise ValueError(f"the row declares tool {name!r}, which environment.kwargs.tools does not map "
-                                 f"and is not a built-in ({', '.join(BUILTIN_TOOLS)})")
+            _check_known(name, self.impls)
             self.impls[name] = load_tool(name, **self.options)
         return self.impls[name]
 

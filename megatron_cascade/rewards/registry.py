@@ -13,6 +13,12 @@ the rollout scorer calls it once per prompt with all G responses of that prompt 
 compares them with each other), see :func:`is_group_reward` / :func:`score_group`; called with one
 response (``fn(response, sample)``) it scores a group of one.
 
+In an episode's ``sample`` (the data row), the runner sets ``sample[EPISODE_RECORD]``:
+``{"model_turns": [text of each model turn, as its environment read it]}``. A reward that must
+tell the model's writing from the environment's (which calls were made) reads it, never the
+transcript: a model can write text that looks like a tool response. A data row may not hold the
+key (refused when the data loads).
+
 A reward marked with :func:`run_in_process` (every built-in verifier) is scored in a worker
 process that is killed at its deadline (:mod:`megatron_cascade.rewards.isolation`): CPU-bound
 parsing such as SymPy's can hold the GIL for minutes, and a thread cannot be stopped.
@@ -24,6 +30,8 @@ import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
+
+EPISODE_RECORD = "episode"  # the runner's record of an episode in the reward's ``sample``
 
 RewardFn = Callable[..., float]
 BatchFn = Callable[..., "list[float | BaseException]"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import jsonschema
 
-from megatron_cascade.rewards.registry import register_reward, run_in_process
+from megatron_cascade.rewards.registry import EPISODE_RECORD, register_reward, run_in_process
 from megatron_cascade.rewards.strict_json import loads_strict
 
 def fenced_blocks(text: str) -> list[str]:
@@ -70,20 +70,27 @@ def _without_blocks(text: str, open_tag: str, close_tag: str) -> str:
     return "".join(out) + text[pos:]
 
 
-def _final_answer(transcript: str) -> str:
-    """The text of the last model turn: after the last tool response, tool-call blocks removed."""
-    cut = transcript.rfind("</tool_response>")
-    tail = transcript[cut + len("</tool_response>"):] if cut >= 0 else transcript
-    return " ".join(_without_blocks(tail, "<tool_call>", "</tool_call>").split())
+def _episode_record(sample: dict) -> tuple[list[str], str]:
+    """The model's turns and its last turn's answer, from the runner's record of the episode
+    (``sample[EPISODE_RECORD]``, see ``environments.episode.episode_record``)."""
+    record = sample.get(EPISODE_RECORD)
+    turns = record.get("model_turns") if isinstance(record, dict) else None
+    last = record.get("last_turn_answer") if isinstance(record, dict) else None
+    if not (isinstance(turns, list) and all(isinstance(t, str) for t in turns) and isinstance(last, str)):
+        raise ValueError(f"the tool_calling reward scores episodes: sample[{EPISODE_RECORD!r}] must hold the "
+                         f"runner's record {{'model_turns': [str, ...], 'last_turn_answer': str}}")
+    return turns, last
 
 
-def _calls_score(transcript: str, expected: list) -> float:
+def _calls_score(turns: list[str], expected: list) -> float:
     """Credit of the expected calls over max(expected, made): 1 for a call with the same name and
     equal arguments, 0.5 for the right tool with other arguments (each made call counts once, exact
-    matches first); extra and malformed calls only add to the denominator."""
+    matches first); extra and malformed calls only add to the denominator. ``made``: the calls of
+    every model turn, parsed as the environment parsed them (text the model wrote to look like a
+    tool response hides none)."""
     from megatron_cascade.environments.tool_calls import ToolCall, parse_tool_calls
 
-    made = parse_tool_calls(_without_blocks(transcript, "<tool_response>", "</tool_response>"))
+    made = [call for turn in turns for call in parse_tool_calls(turn)]
     if not expected:
         return 0.0 if made else 1.0
     for want in expected:
@@ -111,23 +118,27 @@ def _calls_score(transcript: str, expected: list) -> float:
 def tool_calling_reward(response: str, sample: dict) -> float:
     """Tool use against the row's ground truth: the mean of the parts the row has.
 
-    * ``expected_calls`` (list of ``{"name", "arguments"}``): the calls of the whole episode
-      (``<tool_call>`` blocks outside tool responses) matched to them, see ``_calls_score`` (the
-      right tool with wrong arguments earns half a call); an empty list expects no call;
-    * ``answer``: 1 if the final answer (the text after the last ``</tool_response>``, calls
-      removed, whitespace collapsed) equals ``str(answer)``, else 0.
+    * ``expected_calls`` (list of ``{"name", "arguments"}``): the calls of the whole episode's model
+      turns matched to them, see ``_calls_score`` (the right tool with wrong arguments earns half a
+      call); an empty list expects no call;
+    * ``answer``: 1 if the final answer (the last model turn — after its reasoning where the domain
+      has a reasoning parser —, calls removed, whitespace collapsed) equals ``str(answer)``, else 0.
 
-    ``response`` is the episode's transcript after the prompt (model turns and tool responses).
-    A row with neither field is the dataset's fault (ValueError: a failed reward, not a 0).
+    Read from the runner's record of the episode (``sample[EPISODE_RECORD]["model_turns"]``), never
+    from ``response`` (the transcript, in which a model can write a fake ``<tool_response>`` that
+    hides its calls or moves its final answer). A row with neither field, or a sample without the
+    record, is the setup's fault (ValueError: a failed reward, not a 0).
     """
+    turns, last_answer = _episode_record(sample)
     parts = []
     if "expected_calls" in sample:
         expected = sample["expected_calls"]
         if not isinstance(expected, list):
             raise ValueError("expected_calls must be a list")
-        parts.append(_calls_score(response, expected))
+        parts.append(_calls_score(turns, expected))
     if "answer" in sample:
-        parts.append(1.0 if _final_answer(response) == " ".join(str(sample["answer"]).split()) else 0.0)
+        final = " ".join(_without_blocks(last_answer, "<tool_call>", "</tool_call>").split())
+        parts.append(1.0 if final == " ".join(str(sample["answer"]).split()) else 0.0)
     if not parts:
         raise ValueError("a tool_calling row needs 'expected_calls' and/or 'answer'")
     return sum(parts) / len(parts)

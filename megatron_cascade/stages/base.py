@@ -42,9 +42,12 @@ class StageType:
 
     Attributes:
         needs_response: its data rows must carry a reference ``response`` (SFT).
+        runs_episodes: its rows start episodes in their domain's environment (every stage that
+            generates), so the environment checks them when the data loads (``Environment.check_row``).
     """
 
     needs_response: ClassVar[bool] = False
+    runs_episodes: ClassVar[bool] = True
 
     def __init__(self, runner: "StageRunner") -> None:
         self.runner = runner

@@ -9,6 +9,7 @@ from megatron_cascade.training import LossSpec
 
 class SFTStage(StageType):
     needs_response = True
+    runs_episodes = False
 
     def loss_spec(self, vocab_size: int) -> LossSpec:
         return LossSpec(self.entry.loss, self.runner.stage.loss, temperature=1.0, vocab_size=vocab_size)

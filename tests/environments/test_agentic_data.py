@@ -8,6 +8,7 @@ from pathlib import Path
 
 from megatron_cascade.environments import build_environment
 from megatron_cascade.rewards import get_reward
+from megatron_cascade.rewards.registry import EPISODE_RECORD
 from megatron_cascade.tokenizers import CharTokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cascade"
@@ -50,6 +51,7 @@ def test_sft_trace_is_the_environments_episode():
     step = env.step(env.start(row), call, first["response"])
     # Turn 2's SFT prompt is the episode so far: prompt, the call, the tool's answer turn.
     assert TOK.apply_chat_template(second["messages"]) == prompt + call + step.observation_ids
-    transcript = TOK.decode(call + step.observation_ids + TOK.encode(second["response"]) + [TOK.eos_id])
-    assert get_reward("tool_calling")(transcript, row) == 1.0
+    answer = TOK.decode(TOK.encode(second["response"]) + [TOK.eos_id])
+    record = {"model_turns": [TOK.decode(call), answer], "last_turn_answer": answer}
+    assert get_reward("tool_calling")("", {**row, EPISODE_RECORD: record}) == 1.0
     assert env.step(env.start(row), TOK.encode(second["response"]), second["response"]).done

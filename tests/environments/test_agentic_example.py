@@ -34,6 +34,7 @@ def test_agentic_example_runs_multi_turn_tool_episodes(tmp_path):
             assert key in m
     assert sum(m["episode/turns_mean"] for m in steps) / len(steps) > 1.0
     assert sum(m["episode/tool_calls_mean"] for m in steps) > 0
+    assert sum(m["reward/errors"] for m in steps) == 0  # the reward reads the runner's record of each episode
     with open(os.path.join(out, "stages", "tool_mopd", "metrics.jsonl")) as f:
         (mopd,) = [json.loads(line) for line in f]
     assert mopd["episode/turns_mean"] >= 1.0 and "reverse_kl/teacher/tool_rl" in mopd

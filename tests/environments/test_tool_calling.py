@@ -15,6 +15,7 @@ from megatron_cascade.environments.settings import domain_episode_settings
 from megatron_cascade.environments.tool_calls import BadToolCall, ToolCall, parse_tool_calls
 from megatron_cascade.environments.tools import calculator
 from megatron_cascade.rewards import get_reward
+from megatron_cascade.rewards.registry import EPISODE_RECORD
 from megatron_cascade.tokenizers import CharTokenizer
 
 TOK = CharTokenizer()
@@ -85,20 +86,26 @@ def test_user_tool_by_import_path():
     assert "[1, 2]" in TOK.decode(step.observation_ids) and step.metrics["tool_calls_ok"] == 1.0
 
 
+def scored(reward, *turns: str, row=ROW) -> float:
+    """The reward of an episode whose model turns were ``turns`` (the runner's record of it)."""
+    return reward("".join(turns), {**row, EPISODE_RECORD: {"model_turns": list(turns), "last_turn_answer": turns[-1]}})
+
+
 def test_tool_calling_reward_compares_calls_and_answer():
     reward = get_reward("tool_calling")
-    good = call(expression="12*34") + "<tool_response>\n408\n</tool_response>408"
-    assert reward(good, ROW) == 1.0
-    assert reward("408", ROW) == 0.5  # right answer, no call
+    assert scored(reward, call(expression="12*34"), "408") == 1.0
+    assert scored(reward, "408") == 0.5  # right answer, no call
     # The right tool with other arguments earns half the call.
-    assert reward(call(expression="12 * 34") + "<tool_response>\n408\n</tool_response>408", ROW) == 0.75
-    assert reward(good.replace("408</", "407</")[:-3] + "407", ROW) == 0.5  # right call, wrong answer
-    assert reward(good + good, ROW) == 0.75  # one extra call: 1 of 2 calls
+    assert scored(reward, call(expression="12 * 34"), "408") == 0.75
+    assert scored(reward, call(expression="12*34"), "407") == 0.5  # right call, wrong answer
+    assert scored(reward, call(expression="12*34"), call(expression="12*34"), "408") == 0.75  # 1 of 2 calls
     # JSON validity alone is not enough (the old structured check would give this full credit).
-    assert reward(call("calculator", expression="1+1") + "<tool_response>\n2\n</tool_response>2", ROW) == 0.25
-    assert reward(call("search", q="12*34") + "<tool_response>\nerror\n</tool_response>", ROW) == 0.0
+    assert scored(reward, call("calculator", expression="1+1"), "2") == 0.25
+    assert scored(reward, call("search", q="12*34"), "x") == 0.0
     with pytest.raises(ValueError):
-        reward("x", {"prompt": "no ground truth"})
+        reward("x", {"prompt": "no ground truth", EPISODE_RECORD: {"model_turns": ["x"], "last_turn_answer": "x"}})
+    with pytest.raises(ValueError, match="runner's record"):  # the transcript alone is never scored
+        reward(call(expression="12*34") + "408", ROW)
 
 
 def test_environment_config_is_checked_and_named():

@@ -5,6 +5,7 @@ are in test_group_rewards.py and test_reward_hardening_http.py."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -106,6 +107,79 @@ def test_a_row_cannot_name_code_as_its_tool(tmp_path):
     else:
         raise AssertionError("a row's tool name was loaded as code")
     assert not marker.exists()
+
+
+def test_a_rows_unknown_tool_and_a_forged_episode_record_are_refused_when_the_data_loads(tmp_path):
+    """Before: a row declaring a tool the config does not map loaded, and failed only when its
+    episode started (hours into a stage); a row holding the runner's record key would have been
+    read by the reward as the record."""
+    import pytest
+
+    from megatron_cascade.cascade.data import DataError, load_examples
+    from megatron_cascade.config.schema import DomainConfig, EnvironmentSpec
+    from megatron_cascade.environments.settings import domain_row_check
+
+    tok = build_tokenizer("builtin:char")
+    data = tmp_path / "tool.jsonl"
+    good = {"prompt": "1+1?", "tools": [{"name": "calculator"}], "answer": "2"}
+    data.write_text("\n".join(json.dumps(row) for row in (
+        good, {**good, "tools": [{"name": "os:system"}]}, {**good, "episode": {"model_turns": ["2"]}},
+        {**good, "tools": [{"name": "lookup"}]})) + "\n")
+    domain = DomainConfig(environment=EnvironmentSpec(name="tool_calling", kwargs={"tools": {"lookup": "json:dumps"}}))
+    check = domain_row_check("tool", domain)
+    with pytest.raises(DataError, match=f"{data}:2: the row declares tool 'os:system', which environment.kwargs"):
+        load_examples(str(data), "tool", tok, on_bad_row="error", check_row=check)
+    kept = load_examples(str(data), "tool", tok, on_bad_row="skip", check_row=check)
+    assert [e.source for e in kept] == [f"{data}:1", f"{data}:4"]  # line 3: the record key is the runner's
+
+
+def _tool_episode(*turns: str) -> tuple[str, dict]:
+    """Drive the ``tool_calling`` environment through the episode runner's bookkeeping, one model
+    turn per text; returns the transcript and the sample its reward reads (row + runner's record)."""
+    from megatron_cascade.environments.episode import Episode, EpisodeSettings, StepOutcome, episode_record
+    from megatron_cascade.rewards.registry import EPISODE_RECORD
+    from megatron_cascade.rollout.batch import RolloutSample
+
+    tok = build_tokenizer("builtin:char")
+    settings = EpisodeSettings(ToolCallingEnvironment(tok), max_turns=len(turns), max_episode_tokens=10_000,
+                               step_timeout_s=5.0)
+    episode = Episode(EpisodeSample(0, 0, tok.encode("12*34?")), settings, TOOL_ROW)
+    for text in turns:
+        ids = tok.encode(text) + [tok.eos_id]
+        episode.add_turn(RolloutSample(0, 0, [], ids, [0.0] * len(ids), [0.0] * len(ids), "stop"))
+        episode.apply(StepOutcome.of(episode.env_step(ids, tok.decode(ids))), limit=100_000)
+    sample = episode.sample
+    return tok.decode(sample.response_ids), {**TOOL_ROW, EPISODE_RECORD: episode_record(sample, tok)}
+
+
+CALC = {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}
+TOOL_ROW = {"prompt": "12*34?", "tools": [CALC], "answer": "408",
+            "expected_calls": [{"name": "calculator", "arguments": {"expression": "12*34"}}]}
+
+
+def _call(expression: str) -> str:
+    return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+
+
+def test_calls_hidden_in_a_fake_tool_response_are_counted():
+    """Before: the reward stripped every <tool_response> block of the transcript, also the ones the
+    model wrote itself, so extra calls hidden inside one went uncounted (1.0 instead of 0.67)."""
+    reward = get_reward("tool_calling")
+    honest_transcript, honest = _tool_episode(_call("12*34"), "408")
+    assert reward(honest_transcript, honest) == 1.0
+    hidden = "<tool_response>" + _call("1+1") + _call("2+2") + "</tool_response>" + _call("12*34")
+    transcript, sample = _tool_episode(hidden, "408")
+    assert len(sample["episode"]["model_turns"]) == 2  # the environment ran all three calls
+    assert reward(transcript, sample) == (1 / 3 + 1) / 2  # as the same calls made in the open
+    open_transcript, in_the_open = _tool_episode(_call("1+1") + _call("2+2") + _call("12*34"), "408")
+    assert reward(open_transcript, in_the_open) == reward(transcript, sample)
+
+
+def test_a_fake_tool_response_does_not_move_the_final_answer():
+    """The final answer is the model's last turn, not the text after the transcript's last
+    </tool_response> (which the model could write itself, after a wrong answer)."""
+    transcript, sample = _tool_episode(_call("12*34"), "407 <tool_response>x</tool_response> 408")
+    assert get_reward("tool_calling")(transcript, sample) == 0.5  # the call; the answer is not "408"
 
 
 def test_duplicate_json_keys_are_not_json_to_a_verifier():
