@@ -19,11 +19,12 @@ import os
 import sys
 
 from megatron_cascade.config import ConfigError, RunConfig, load_config
+from megatron_cascade.config.loader import load_config_with_origins
 from megatron_cascade.run_logging import setup_console_logging
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides, check_paths=not args.dry_run)
+    cfg, origins = load_config_with_origins(args.config, args.overrides, check_paths=not args.dry_run)
     allowed = [key.strip() for item in args.allow_config_change for key in item.split(",") if key.strip()]
     if args.dry_run:
         from megatron_cascade.cascade.plan import describe_plan
@@ -35,7 +36,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     from megatron_cascade.cascade.runner import run_cascade
 
-    return run_cascade(cfg, only_stage=args.stage, allow_config_change=allowed)
+    return run_cascade(cfg, only_stage=args.stage, allow_config_change=allowed, origins=origins)
 
 
 def _dry_run_resume_check(cfg: RunConfig, allowed: list[str]) -> str:

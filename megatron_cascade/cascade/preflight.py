@@ -15,9 +15,11 @@ import itertools
 import os
 from typing import Optional
 
-from megatron_cascade.cascade.data import DataError, parse_rows
+from megatron_cascade.cascade.data import DataError, RowCheck, parse_rows
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.config import ConfigError, RunConfig
+from megatron_cascade.config.origins import ConfigOrigins
+from megatron_cascade.config.schema import DomainConfig
 from megatron_cascade.config.loader import start_stage
 from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.stages import stage_class
@@ -25,8 +27,11 @@ from megatron_cascade.stages import stage_class
 ROWS_CHECKED = 100  # rows of each data file parsed up front (the whole file is read when its stage starts)
 
 
-def preflight(cfg: RunConfig, tokenizer, only_stage: Optional[str] = None) -> None:
-    """Raise one ``ConfigError`` listing every problem found (nothing is written anywhere)."""
+def preflight(cfg: RunConfig, tokenizer, only_stage: Optional[str] = None,
+              origins: Optional[ConfigOrigins] = None) -> None:
+    """Raise one ``ConfigError`` listing every problem found (nothing is written anywhere), each
+    about a config value led by where that value came from (``origins``: an override or file:line)."""
+    origins = origins or ConfigOrigins("config")
     names = [s.name for s in cfg.stages]
     problems: list[str] = []
     if only_stage is not None and only_stage not in names:
@@ -36,23 +41,35 @@ def preflight(cfg: RunConfig, tokenizer, only_stage: Optional[str] = None) -> No
               and (only_stage is None or s.name == only_stage)]
     if only_stage is not None:
         problems += _missing_predecessors(cfg, manifest, to_run)
-    # (domain, file) -> (whether its rows need a reference response, whether they start episodes)
+    # (domain, its key naming the file) -> (whether rows need a reference response, whether they start episodes)
     reads: dict[tuple[str, str], tuple[bool, bool]] = {}
     for index in to_run:
         kind = stage_class(cfg.stages[index].type)
         for domain in cfg.stages[index].domains:
-            key = (domain, kind.data_path(cfg.domains[domain]))
+            key = (domain, _data_key(cfg.domains[domain], kind.data_path(cfg.domains[domain])))
             response, episodes = reads.get(key, (False, False))
             reads[key] = (response or kind.needs_response, episodes or kind.runs_episodes)
-    for (domain, path), (need_response, episodes) in sorted(reads.items()):
-        problems += _file_problems(path, domain, tokenizer, cfg, need_response, episodes)
-    for domain, spec in sorted(cfg.domains.items()):
-        if spec.eval:
-            problems += _file_problems(spec.eval, domain, tokenizer, cfg, False, True)
+    reads.update({(domain, "eval"): (False, True) for domain, spec in cfg.domains.items() if spec.eval})
+    checks: dict[str, Optional[RowCheck]] = {}  # per domain whose rows start episodes: its environment's check
+    for domain in sorted({domain for (domain, _), (_, episodes) in reads.items() if episodes}):
+        try:
+            checks[domain] = domain_row_check(domain, cfg.domains[domain])
+        except ConfigError as exc:
+            problems.append(origins.lead(f"domains.{domain}.environment.name", str(exc)))
+    for (domain, field_name), (need_response, episodes) in sorted(reads.items()):
+        key = f"domains.{domain}.{field_name}"
+        problems += [origins.lead(key, f"{key}: {problem}") for problem in _file_problems(
+            getattr(cfg.domains[domain], field_name), domain, tokenizer, cfg, need_response,
+            checks.get(domain) if episodes else None)]
     if 0 in to_run and cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
-        problems.append(f"init_checkpoint: folder {cfg.init_checkpoint} does not exist")
+        problems.append(origins.lead("init_checkpoint", f"init_checkpoint: folder {cfg.init_checkpoint} does not exist"))
     if problems:
         raise ConfigError("the run cannot start; nothing was written:\n  - " + "\n  - ".join(problems))
+
+
+def _data_key(domain: DomainConfig, path: str) -> str:
+    """The field of ``domain`` that names ``path`` (``sft`` before ``train``: an SFT stage's own file)."""
+    return next(name for name in ("sft", "train") if getattr(domain, name) == path)
 
 
 def _missing_predecessors(cfg: RunConfig, manifest: Manifest, to_run: list[int]) -> list[str]:
@@ -72,23 +89,19 @@ def _missing_predecessors(cfg: RunConfig, manifest: Manifest, to_run: list[int])
 
 
 def _file_problems(path: str, domain: str, tokenizer, cfg: RunConfig, need_response: bool,
-                   episodes: bool) -> list[str]:
+                   check_row: Optional[RowCheck]) -> list[str]:
     """Why the first ``ROWS_CHECKED`` rows of ``path`` cannot be used (empty list: they can), as
-    data and, when they start ``episodes``, for the domain's environment (e.g. a tool the config
-    does not map)."""
+    data and by ``check_row`` (the domain environment's, e.g. a tool the config does not map)."""
     try:
-        check_row = domain_row_check(domain, cfg.domains[domain]) if episodes else None
         rows = list(itertools.islice(parse_rows(path, domain, tokenizer, need_response=need_response,
                                                 max_prompt_tokens=cfg.data.max_prompt_tokens, check_row=check_row),
                                      ROWS_CHECKED))
-    except ConfigError as exc:
-        return [str(exc)]
     except DataError as exc:
-        return [f"domains.{domain}: {exc}"]
+        return [str(exc)]
     bad = [error for error in rows if isinstance(error, DataError)]
     if bad and (cfg.data.on_bad_row == "error" or len(bad) == len(rows)):
-        return [f"domains.{domain}: {bad[0]}" + (f" ({len(bad)} of the first {len(rows)} rows bad)" if len(bad) > 1
+        return [f"{bad[0]}" + (f" ({len(bad)} of the first {len(rows)} rows bad)" if len(bad) > 1
                                                  else "")]
     if not rows:
-        return [f"domains.{domain}: {path} has no rows"]
+        return [f"{path} has no rows"]
     return []

@@ -26,6 +26,7 @@ from megatron_cascade.cascade.runtime import (
 from megatron_cascade.cascade.scoring import build_domain_rewards
 from megatron_cascade.cascade.stage import RunContext, StageRunner
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage, to_yaml
+from megatron_cascade.config.origins import ConfigOrigins
 from megatron_cascade.run_logging import log_to_file
 from megatron_cascade.cascade.plan import check_generation_layouts, uses_cuda_graphs
 from megatron_cascade.model import initialize_model_parallel, resolve_layout
@@ -115,9 +116,11 @@ def _prepare_output_dir(cfg: RunConfig, allowed: Sequence[str]) -> Optional[RunL
     return lock
 
 
-def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_change: Sequence[str] = ()) -> int:
+def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_change: Sequence[str] = (),
+                origins: Optional[ConfigOrigins] = None) -> int:
     """Run every incomplete stage (or only ``only_stage``); returns the process exit code
-    (0 done, ``EXIT_REQUEUE`` after checkpointing on a preemption signal).
+    (0 done, ``EXIT_REQUEUE`` after checkpointing on a preemption signal). ``origins``: where the
+    config's values came from (the preflight's problems lead with it).
 
     The run holds ``output_dir``'s lock throughout (``RunLockError`` if another run holds it). A
     resume whose config changes what started stages computed raises ``ConfigError`` naming the keys,
@@ -127,7 +130,7 @@ def run_cascade(cfg: RunConfig, only_stage: str | None = None, allow_config_chan
     lock = None
     try:
         tokenizer = build_run_tokenizer(cfg)
-        preflight(cfg, tokenizer, only_stage)  # every stage's data, --stage and its predecessors: nothing written
+        preflight(cfg, tokenizer, only_stage, origins)  # every stage's data, --stage and its predecessors: nothing written
         layout = resolve_layout(cfg.model, cfg.parallel, dist.get_world_size())
         check_generation_layouts(cfg, layout)  # decode layouts, and CP only where a decode layout generates
         initialize_model_parallel(cfg.parallel, cfg.seed, timeout_minutes=cfg.distributed.timeout_minutes,

@@ -17,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_cascade.config.origins import ConfigOrigins
 from megatron_cascade.config.rules import ConfigError, field_problems, validate_tree
 from megatron_cascade.config.schema import ResolvedStage, RolloutConfig, RunConfig, StageConfig
 from megatron_cascade.config.unknown_keys import key_lines, unknown_keys
@@ -44,13 +45,20 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     (dry runs) does not require checkpoint folders named in the config to exist on this machine.
     Raises ``ConfigError`` with the file, key and a hint.
     """
+    return load_config_with_origins(path, overrides, check_paths=check_paths)[0]
+
+
+def load_config_with_origins(path: str, overrides: Iterable[str] = (), *,
+                             check_paths: bool = True) -> tuple[RunConfig, ConfigOrigins]:
+    """As :func:`load_config`, with where each value came from (for errors found later, e.g. the
+    run's preflight of data files)."""
     top = os.path.abspath(path)
     texts: list[tuple[str, str]] = []  # (file, its YAML) in merge order
     raw = _read_with_includes(top, seen=(), top_folder=os.path.dirname(top), texts=texts)
     _refuse_unknown_keys(raw, texts, shown=path if len(texts) == 1 else None)
     schema = OmegaConf.structured(RunConfig)
     merged = _merge(schema, raw, source=path)
-    overridden = {_apply_override(merged, item): item for item in overrides}
+    origins = ConfigOrigins(path, tuple(texts), {_apply_override(merged, item): item for item in overrides})
     check_interpolations(OmegaConf.to_container(merged, resolve=False), source=path)
     try:
         cfg: RunConfig = OmegaConf.to_object(merged)
@@ -59,13 +67,13 @@ def load_config(path: str, overrides: Iterable[str] = (), *, check_paths: bool =
     try:
         validate_run(cfg, source=path, check_paths=check_paths)
     except ConfigError as exc:
-        lines = [_with_origin(line, path, texts, overridden) for line in str(exc).splitlines()]
+        lines = [_with_origin(line, path, origins) for line in str(exc).splitlines()]
         raise ConfigError(lines[0] if len(lines) == 1
                           else f"{len(lines)} bad config values:\n  " + "\n  ".join(lines)) from None
-    return cfg
+    return cfg, origins
 
 
-def _with_origin(message: str, path: str, texts: list[tuple[str, str]], overridden: dict[str, str]) -> str:
+def _with_origin(message: str, path: str, origins: ConfigOrigins) -> str:
     """``message`` (``"<path>: <key>=<value> ..."``) led by where the value came from: the
     command-line override that set it, else the ``file:line`` that wrote it (else ``path``)."""
     rest = message[len(path) + 2:] if message.startswith(f"{path}: ") else message
@@ -77,15 +85,11 @@ def _with_origin(message: str, path: str, texts: list[tuple[str, str]], overridd
     keys = [stage + match.group(2)] + [key if key.startswith("model.") else stage + key  # the model is run-wide
                                        for key in _MORE_KEYS.findall(rest[match.end():])]
     for key in keys:
-        for set_key, item in reversed(list(overridden.items())):
-            if key == set_key or key.startswith(set_key + ".") or set_key.startswith(key + "."):
-                return f"command-line override {item!r}: {rest}"
-    key_path = tuple(keys[0].split("."))
-    for file, text in reversed(texts):
-        line = key_lines(text).get(key_path)
-        if line is not None:
-            return f"{path if len(texts) == 1 else file}:{line}: {rest}"
-    return message
+        origin = origins.of(key)
+        if origin is not None and origin.startswith("command-line override"):
+            return f"{origin}: {rest}"
+    origin = origins.of(keys[0])
+    return message if origin is None else f"{origin}: {rest}"
 
 
 def _refuse_unknown_keys(raw: DictConfig, texts: list[tuple[str, str]], shown: Optional[str]) -> None:
