@@ -18,7 +18,9 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
   top-k / top-p truncated distribution the [tokens, V/t] logits with their gradient (model dtype: the
   fp32 work of ``ops/truncated_logprobs.py`` is chunked, and Float16Module's fp32 copy is disabled),
   else the fused log-prob head's working set (``training/output_head.py``: per-chunk logit buffers,
-  the gathered hidden states and their gradient; no [tokens, vocab] tensor);
+  the gathered hidden states and their gradient; no [tokens, vocab] tensor); with expert
+  parallelism the routed experts' tensors are those of the most loaded EP rank
+  (``cluster.moe_load_imbalance`` x the mean);
 * peak = static + max(generation, training) + ``cluster.runtime_overhead_gib`` (CUDA context, NCCL,
   workspaces); host memory holds the offloaded MOPD teachers.
 
@@ -314,6 +316,15 @@ class Shape:
 
     seq: int  # tokens per sequence (before context-parallel splitting)
     batch: int  # sequences
+    routed_load: float = 1.0  # MoE: routed tokens on this (the most loaded) EP rank over the mean
+
+
+def routed_load(cfg: RunConfig, layout: Layout) -> float:
+    """``Shape.routed_load`` of ``layout``: ``cluster.moe_load_imbalance``, at most EP (every token on
+    one rank); 1 without expert parallelism (one rank holds every expert: the total is fixed)."""
+    if not cfg.model.moe.num_experts or layout.ep == 1:
+        return 1.0
+    return min(cfg.cluster.moe_load_imbalance, float(layout.ep))
 
 
 def layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, sequence_parallel: bool,
@@ -367,7 +378,7 @@ def _mlp_block_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_para
     gate = 2 if m.activation == "swiglu" else 1
     total = _block_input_bytes(m, layout, shape, sequence_parallel)
     if moe_layer:
-        routed = tokens * outside * m.moe.router_topk  # local tokens, each sent to top-k experts
+        routed = tokens * outside * m.moe.router_topk * shape.routed_load  # local tokens, each to top-k experts
         e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
         total += 4 * tokens * outside * m.moe.num_experts  # fp32 router logits
         total += e * routed * (h + e_ffn * (gate + 1) / layout.etp)  # expert fc1 in, fc1 out, act out
@@ -494,7 +505,7 @@ def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attenti
         attention += shape.batch * (a / t) * shape.seq**2  # the [s x s] scores of unfused attention
     if m.moe.num_experts:
         e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
-        routed = tokens * m.moe.router_topk
+        routed = tokens * m.moe.router_topk * shape.routed_load
         mlp = routed * (h + e_ffn * (gate + 1) / layout.etp)
     else:
         mlp = tokens * (m.ffn_hidden_size or 4 * h) * (gate + 1) / t
@@ -598,7 +609,7 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     capacity = int((budget - block) // (expected + state))
     concurrent = min(samples, slots, blocks * block // expected)
     tokens = max(16384, longest + concurrent)
-    step = prefill_bytes(m, layout, Shape(tokens, 1), fused_attention=True)
+    step = prefill_bytes(m, layout, Shape(tokens, 1, routed_load(cfg, layout)), fused_attention=True)
     if m.architecture == "hybrid":
         e = _DTYPE_BYTES[m.precision]
         _, d_inner, _, width = _mamba_sizes(m)
@@ -647,7 +658,7 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     seq = min(m.max_position_embeddings, prompt + (stage.rollout.max_new_tokens if kind.generates else 0))
     micro = stage.training.micro_batch_size
     in_flight = min(layout.pp, max(1, math.ceil(samples / micro)))
-    train_shape = Shape(seq, micro)
+    train_shape = Shape(seq, micro, routed_load(cfg, layout))
     activations = training_activation_bytes(cfg, layout, train_shape, in_flight)
     head = logits_bytes if samples_truncated(stage) else fused_head_bytes
     logits = head(m, layout, seq / layout.cp * micro)
@@ -742,8 +753,9 @@ def describe_plan(cfg: RunConfig) -> str:
                       if s.rollout.cuda_graphs else "")
             lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
                          f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory{graphs})")
+    load = routed_load(cfg, layout)
     lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation, training) "
-                 "+ runtime overhead):")
+                 "+ runtime overhead" + (f"; routed experts at {load:g}x the mean load" if load > 1 else "") + "):")
     warnings = []
     for s in stages:
         plan = stage_memory(cfg, layout, s)

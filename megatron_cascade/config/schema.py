@@ -214,6 +214,10 @@ class ClusterConfig:
     # workspaces, allocator fragmentation (typically 3-6 GiB). Counted in every stage's peak and left
     # out of the KV budget that kv_cache_fraction takes from the free memory.
     runtime_overhead_gib: float = ranged(5.0, ge=0)
+    # MoE with expert parallelism: routed tokens on the most loaded EP rank over the mean (a router
+    # balances its load over a step, not over every micro-batch). Scales the routed experts'
+    # activations and generation intermediates in the plan (capped at EP: all tokens on one rank).
+    moe_load_imbalance: float = ranged(1.5, ge=1.0)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from megatron_cascade.cascade.plan import (
     generation_plan,
     kv_bytes_per_token,
     layer_activation_bytes,
+    routed_load,
     stage_memory,
     training_activation_bytes,
 )
@@ -161,6 +162,35 @@ def test_moe_top_k_scales_the_expert_activations(tmp_path):
 
     h, f, e = 64, 256, 2  # per routed token: expert input h, fc1 output 2f (SwiGLU), activation output f
     assert moe(cfg2) - moe(cfg1) == pytest.approx(e * 32 * (h + 3 * f))
+
+
+def test_the_most_loaded_expert_parallel_rank_is_planned(tmp_path):
+    """Issue 25: the plan assumed every EP rank receives the mean of the routed tokens; a router
+    balances its load over a step, not every micro-batch. ``cluster.moe_load_imbalance`` scales the
+    routed experts' tensors with EP > 1 (capped at EP), and changes nothing without EP."""
+    def plan(*overrides):
+        cfg = small_config(tmp_path, *MOE, *overrides, sft=True)
+        layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
+        return cfg, layout, stage_memory(cfg, layout, resolve_stage(cfg, cfg.stages[0])).activations
+
+    ep2 = "parallel.expert_model_parallel_size=2"
+    cfg, layout, even = plan(ep2, "cluster.moe_load_imbalance=1")
+    assert routed_load(cfg, layout) == 1.0
+    cfg, layout, loaded = plan(ep2, "cluster.moe_load_imbalance=1.5")
+    assert routed_load(cfg, layout) == 1.5
+    cfg, layout, capped = plan(ep2, "cluster.moe_load_imbalance=3")
+    assert routed_load(cfg, layout) == 2.0  # at most every token on one of the 2 ranks
+    per_token = 2 * 2 * (64 + 3 * 256)  # bf16, top-2: expert input h, fc1 output 2f, activation output f
+    one = layer_activation_bytes(cfg.model, layout, Shape(512, 1), sequence_parallel=False, fused_attention=True,
+                                 keep_scores=False, moe_layer=True)
+    half_more = layer_activation_bytes(cfg.model, layout, Shape(512, 1, 1.5), sequence_parallel=False,
+                                       fused_attention=True, keep_scores=False, moe_layer=True)
+    assert half_more - one == pytest.approx(0.5 * 512 * per_token)
+    assert loaded > even and capped > loaded
+    assert (loaded - even) * 2 == pytest.approx(capped - even)  # linear in the factor
+    _, layout1, no_ep = plan("cluster.moe_load_imbalance=1")
+    _, _, no_ep_loaded = plan("cluster.moe_load_imbalance=3")
+    assert layout1.ep == 1 and no_ep == no_ep_loaded  # one rank holds every expert: the total is fixed
 
 
 def test_plan_counts_kv_cache_frozen_models_and_warns_on_overflow(tmp_path):
