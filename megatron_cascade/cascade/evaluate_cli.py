@@ -39,7 +39,7 @@ def evaluate_weights(cfg: RunConfig, weights: Optional[str]) -> Optional[dict[st
             weights = ctx.manifest.final_weights(done[-1])
         model = eval_model(cfg, weights)
         scores = evaluate(model, ctx.eval_sets, ctx.eval_rewards, cfg.domains, ctx.tokenizer, cfg.eval, cfg.rollout,
-                          seed=cfg.seed)
+                          seed=cfg.seed, generation_wait_minutes=cfg.distributed.generation_wait_minutes)
         return scores if is_main_rank() else None
     finally:
         shutdown_distributed()

@@ -12,13 +12,16 @@ import torch.distributed as dist
 
 from megatron_cascade.cascade.data import Example
 from megatron_cascade.cascade.scoring import RolloutScorer
-from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig
+from megatron_cascade.config.schema import DistributedConfig, DomainConfig, EvalConfig, RolloutConfig
 from megatron_cascade.environments.runner import run_episodes
 from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
 from megatron_cascade.rollout import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.groups import GenerationReplica
+from megatron_cascade.rollout.meeting import meet_after_generation
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GENERATION_WAIT = DistributedConfig().generation_wait_minutes
 
 
 def data_parallel() -> tuple:
@@ -70,15 +73,17 @@ def _standard_error(means_sum: float, squares_sum: float, n: float) -> float:
 
 def evaluate(module: torch.nn.Module | GenerationReplica, eval_sets: dict[str, list[Example]], rewards: dict,
              domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig, rollout_cfg: RolloutConfig,
-             seed: int) -> dict[str, float]:
+             seed: int, generation_wait_minutes: float = DEFAULT_GENERATION_WAIT) -> dict[str, float]:
     """Mean score per domain in [0, 1] (:func:`evaluate_detailed`'s ``score``); collective."""
-    details = evaluate_detailed(module, eval_sets, rewards, domains, tokenizer, eval_cfg, rollout_cfg, seed)
+    details = evaluate_detailed(module, eval_sets, rewards, domains, tokenizer, eval_cfg, rollout_cfg, seed,
+                                generation_wait_minutes)
     return {domain: result.score for domain, result in details.items()}
 
 
 def evaluate_detailed(module: torch.nn.Module | GenerationReplica, eval_sets: dict[str, list[Example]],
                       rewards: dict, domains: dict[str, DomainConfig], tokenizer, eval_cfg: EvalConfig,
-                      rollout_cfg: RolloutConfig, seed: int) -> dict[str, DomainEval]:
+                      rollout_cfg: RolloutConfig, seed: int,
+                      generation_wait_minutes: float = DEFAULT_GENERATION_WAIT) -> dict[str, DomainEval]:
     """Per domain: mean score in [0, 1] over the samples whose reward did not fail (0 if none was
     scored; failures are logged), its standard error over prompts and pass@k; prompts are split over
     data-parallel ranks; collective.
@@ -87,7 +92,9 @@ def evaluate_detailed(module: torch.nn.Module | GenerationReplica, eval_sets: di
     at the run's ``rollout.stop_strings`` and use a KV cache of the run's ``rollout.kv_cache_*``;
     each is scored as soon as it finishes (a reward worker pool, while the rest decode). Every rank
     calls ``generate`` for every domain, also with no prompts of its own (expert-parallel lockstep).
-    Multi-turn domains run whole episodes in their environment, scored as in training.
+    Multi-turn domains run whole episodes in their environment, scored as in training. Ranks wait for
+    the slowest replica outside collectives, at most ``generation_wait_minutes``
+    (``distributed.generation_wait_minutes``).
 
     ``module``: the policy (generating at the training layout), or a ``GenerationReplica`` (a decode
     copy: its data-parallel replicas split the prompts).
@@ -113,6 +120,7 @@ def evaluate_detailed(module: torch.nn.Module | GenerationReplica, eval_sets: di
                                     kv_cache=KVCacheConfig.from_rollout(rollout_cfg),
                                     on_episode_done=scorer.on_finished)
             values, errored, _ = scorer.collect_flags(rollouts.samples)
+        meet_after_generation(generation_wait_minutes, f"eval {domain} generation")
         values, errored = episode_scores(rollouts.samples, values, errored)
         scored = ~errored
         per_prompt = _prompt_sums(values, scored, [s.prompt_index for s in rollouts.samples], len(mine))

@@ -297,7 +297,8 @@ class StageRunner:
             return {}
         try:
             return evaluate_detailed(self.generation_replica(), eval_sets, self.ctx.eval_rewards, self.cfg.domains,
-                                     self.tok, eval_cfg, self.cfg.rollout, seed=self.cfg.seed)
+                                     self.tok, eval_cfg, self.cfg.rollout, seed=self.cfg.seed,
+                                     generation_wait_minutes=self.cfg.distributed.generation_wait_minutes)
         finally:
             self.generation_done()
 

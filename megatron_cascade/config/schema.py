@@ -188,9 +188,14 @@ class DistributedConfig:
     """Process-group settings of a real (multi-process) run."""
 
     # Collective timeout of the process group and of every Megatron group: a rank that waits longer
-    # than this in one collective fails the job. RL ranks wait on others through whole generations
-    # and reward scoring (long responses, remote judges), far past torch's 10/30-minute defaults.
+    # than this in one collective fails the job (far past torch's 10/30-minute defaults: checkpoint
+    # writes, teacher swaps, evaluation). Waits for a slower replica's generation happen outside
+    # collectives (generation_wait_minutes).
     timeout_minutes: float = ranged(120.0, gt=0)
+    # After generating (and scoring) a round, ranks wait for the slowest outside every collective
+    # (rollout/meeting.py), so the timeout above never has to cover a long generation; a rank still
+    # generating after this long fails the job, named.
+    generation_wait_minutes: float = ranged(1440.0, gt=0, le=MAX_TIMEOUT_S / 60)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from megatron_cascade.environments.settings import domain_episode_settings, epis
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, SamplingParams
 from megatron_cascade.rollout.batch import GenerationStats
 from megatron_cascade.rollout.groups import GenerationReplica, model_parallel_source
+from megatron_cascade.rollout.meeting import meet_after_generation
 from megatron_cascade.stages.base import StageType, StepBatch
 
 
@@ -112,6 +113,8 @@ class RolloutStage(StageType):
             else:
                 scores = torch.zeros(len(rollouts), dtype=torch.float64)
                 errored = torch.zeros(len(rollouts), dtype=torch.bool)
+        # The next collective crosses replicas: wait for the slowest outside it (no timeout to fire).
+        meet_after_generation(r.cfg.distributed.generation_wait_minutes, f"stage {r.stage.name} generation")
         return rollouts, scores, errored
 
     def _generate_on_copy(self, step: int, round: int, examples: list[Example], timing: dict,

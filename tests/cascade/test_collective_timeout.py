@@ -70,3 +70,58 @@ def test_stalled_rank_times_out_after_configured_minutes(tmp_path):
 def test_config_key_default_and_override():
     assert load_config(str(CI_CONFIG)).distributed.timeout_minutes == 120.0
     assert load_config(str(CI_CONFIG), ["distributed.timeout_minutes=7.5"]).distributed.timeout_minutes == 7.5
+
+
+STRAGGLER_S = 3.0  # a replica still generating, longer than the collective timeout (1.8 s)
+
+
+def _straggling_replica(port: int, meet: bool, wait_minutes: float, done: str) -> dict:
+    """Rank 1 generates STRAGGLER_S longer than rank 0; then (``meet``: after meeting) both all-reduce
+    on the default group, as the rollout stage's first cross-replica collective does. Rank 0 (the
+    store's host) stays until rank 1 has created ``done``."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_cascade.cascade.runtime import init_distributed
+    from megatron_cascade.rollout.meeting import GenerationStragglerError, meet_after_generation
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    init_distributed(TIMEOUT_MIN)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(STRAGGLER_S)
+    out = {"waited": 0.0, "straggler_error": None, "collective": None}
+    try:
+        if meet:
+            out["waited"] = meet_after_generation(wait_minutes)
+        dist.all_reduce(torch.ones(1))
+        out["collective"] = "ok"
+    except GenerationStragglerError as exc:
+        out["straggler_error"] = str(exc)
+    except RuntimeError:
+        out["collective"] = "timed out"
+    if dist.get_rank() == 1:
+        Path(done).touch()
+    else:
+        deadline = time.monotonic() + STALL_LIMIT_S
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return out
+
+
+def test_replicas_wait_for_a_slow_generation_outside_collectives(tmp_path):
+    """Issue 25: a replica that finished generating waited for the slowest inside the next collective,
+    whose timeout (sized for training) killed the job; they now meet at the store first."""
+    def run(meet: bool, wait_minutes: float, name: str) -> list[dict]:
+        return run_distributed(_straggling_replica, 2, find_free_port(), meet, wait_minutes, str(tmp_path / name),
+                               timeout_s=STALL_LIMIT_S + 60)
+
+    before = run(False, 1.0, "before")
+    assert before[0]["collective"] == "timed out"  # what a long generation did to the job
+    after = run(True, 1.0, "after")
+    assert [r["collective"] for r in after] == ["ok", "ok"]
+    assert after[0]["waited"] > STRAGGLER_S / 2 > after[1]["waited"]
+    bounded = run(True, 0.01, "bounded")
+    assert "rank(s) [1] still in generation after distributed.generation_wait_minutes=0.01" in \
+        (bounded[0]["straggler_error"] or ""), bounded
