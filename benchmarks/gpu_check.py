@@ -10,6 +10,10 @@ Checks, each printed as PASS / FAIL / SKIP with its figures:
   bf16_step       training steps after loading those weights: the fp32 masters were reloaded (weights
                   after the steps stay near the loaded ones instead of snapping back to the build-time
                   init); step time, tokens/s, peak memory;
+  optimizer_resume  a training checkpoint (weights, optimizer state — TE's FusedAdam when TE imports —,
+                  schedule, RNG) saved, a step taken, the checkpoint loaded and the step redone: the
+                  same weights bit for bit (where two redos of the step agree bit for bit; else within
+                  their own spread: a non-deterministic backward kernel);
   fp8_step        the same with FP8 (hybrid, delayed scaling) — TE only, else SKIP;
   fused_logprob_head  a train step's forward+backward with the fused log-prob head vs the logits path:
                   the same loss at a lower peak memory;
@@ -237,6 +241,38 @@ def check_bf16_step(policy, loaded, init, args: argparse.Namespace) -> Result:
     figures.update(rel_change_from_loaded=moved, rel_distance_to_init=to_init)
     ok = 0 < moved < 0.1 and moved < 0.5 * to_init and math.isfinite(figures["loss"])
     return Result("bf16_step", "PASS" if ok else "FAIL", "masters reloaded: trains from the loaded weights", figures)
+
+
+def check_optimizer_resume(policy, args: argparse.Namespace) -> Result:
+    """Save a training checkpoint, step (A); load it and redo the step twice (B, C). A == B bit for bit
+    when B == C; when the step itself is not bit-reproducible (B != C), |A - B| within 2 |B - C|."""
+    from megatron_cascade.config.training import LossConfig, TrainingConfig
+    from megatron_cascade.training import LossSpec, train_step
+    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+
+    batch, spec = train_batch(args), LossSpec("sft", LossConfig(), vocab_size=args.vocab)
+    training = TrainingConfig(micro_batch_size=max(1, args.batch // 2))
+    with tempfile.TemporaryDirectory() as root:
+        start = time.perf_counter()
+        path = save_training_checkpoint(root, 1, policy, {}, keep_last=1)
+        save_s = time.perf_counter() - start
+        after = []
+        for redo in range(3):
+            if redo:
+                start = time.perf_counter()
+                load_training_checkpoint(path, policy)
+                load_s = time.perf_counter() - start
+            train_step(policy, batch, spec, training)
+            after.append(flat_weights(policy))
+    resumed, spread = (after[0] - after[1]).abs().max().item(), (after[1] - after[2]).abs().max().item()
+    figures = {"max_diff_resumed": resumed, "max_diff_redo": spread, "save_s": save_s, "load_s": load_s}
+    if spread == 0.0:
+        ok, detail = resumed == 0.0, "save -> load -> step equals the step without the round trip, bit for bit"
+    else:
+        ok, detail = resumed <= 2 * spread, "the step is not bit-reproducible here; the resumed one within its spread"
+    if not ok:
+        detail = "the resumed step differs from the step without the round trip (beyond the redos' spread)"
+    return Result("optimizer_resume", "PASS" if ok else "FAIL", detail, figures)
 
 
 def check_fused_logprob_head(policy, args: argparse.Namespace) -> Result:
@@ -548,6 +584,7 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
             results.append(guard("cpu_checkpoint", lambda: check_cpu_checkpoint(policy, ref_dir)))
             loaded = flat_weights(policy)
             results.append(guard("bf16_step", lambda: check_bf16_step(policy, loaded, init, args)))
+            results.append(guard("optimizer_resume", lambda: check_optimizer_resume(policy, args)))
             results.append(guard("fused_logprob_head", lambda: check_fused_logprob_head(policy, args)))
             results.append(guard("packed_step", lambda: check_packed_step(policy, args)))
             results.append(guard("generation", lambda: check_generation(policy, args)))
