@@ -212,7 +212,7 @@ def test_real_failing_stage_stops_the_chain(cluster, chain):
         assert not (work / "logs" / f"{stage}_{jobs[stage]}.log").exists()  # never started
     log = log_of(cluster, jobs["math_rl"])
     assert "the run cannot start; nothing was written" in log, log  # the trainer's preflight refuses
-    assert f"domains.broken: {broken}:1: not valid JSON" in log and "(3 of the first 3 rows bad)" in log, log
+    assert f"domains.broken.train: {broken}:1: not valid JSON" in log and "(3 of the first 3 rows bad)" in log, log
     assert re.search(r"stage math_rl FAILED: trainer exit code [1-9]", log), log  # the script's verdict
     assert cluster.job_info(jobs["math_rl"])["Restarts"] == "0"
     data = manifest(out)
