@@ -5,14 +5,18 @@ shapes, dtypes, chunks and where each chunk is stored. ``read_dcp_metadata`` unp
 the classes such a file holds (DCP's metadata and save-plan dataclasses, ``torch.Size``, dtypes,
 layouts, memory formats; Megatron's two legacy placeholder classes), then checks its structure:
 shapes of non-negative ints, chunks inside their tensor, storage entries naming a plain file of the
-directory (no ``../``), non-negative offsets and lengths, and at most ``MAX_CHUNKS_PER_FILE`` chunks
-of a tensor per data file holding it. ``check_data_spans`` adds that every data file exists and holds
+directory (no ``../``), non-negative offsets and lengths, and at most ``MAX_CHUNKS`` chunks in all.
+``check_data_spans`` adds that every data file exists and holds
 each span it is said to hold (run before reading data: a forged length would otherwise be allocated whole).
 
 Bounded work: the file is at most ``MAX_METADATA_BYTES`` (parsed at ~0.5 s/MiB here), and a loader's
-work grows with chunks (each chunk is a read and a ``torch.load``: ~0.6 ms); a forged file of 1-element
-chunks stalled every loader for hours (7 s per MiB of metadata). Writers store one chunk of a tensor per
-rank, two for SwiGLU's [gate; up] (Megatron, our converter), so the per-file bound leaves room.
+work grows with chunks; a forged file of 1-element chunks stalled every loader for hours (7 s per MiB
+of metadata). Megatron's sharded tensors stack layers (and a rank's local experts) into one tensor, so
+a writer stores one chunk per layer, local expert, [gate; up] half and TP/EP shard: a 48-layer,
+128-expert model (Qwen3-30B-A3B) has ~19K chunks, 12K of them in one tensor of one file, and a
+DeepSeek-V3-sized one ~65K. ``MAX_CHUNKS`` (131K) leaves twice that; it also caps a forged file's
+stall (its 1-element chunks cost loaders ~12 ms each: at most ~26 minutes, where 256 MiB of them took
+hours). A legitimate load runs at ~2 ms per chunk here (48 layers x 32 experts: 6 s).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from megatron_cascade.checkpoint_safety.restricted_pickle import (
 METADATA_FILE = ".metadata"
 # Megatron writes a few MB for 100B-parameter models at thousands of ranks; this parses in ~2 minutes.
 MAX_METADATA_BYTES = 256 << 20
-MAX_CHUNKS_PER_FILE = 8
+MAX_CHUNKS = 1 << 17
 _META = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch"
@@ -82,7 +86,11 @@ def check_metadata(meta: Any) -> None:
     _require(type(meta) is Metadata, f"holds a {type(meta).__name__}, not a DCP Metadata")
     entries = meta.state_dict_metadata
     _require(isinstance(entries, dict), "state_dict_metadata is not a dict")
-    files_of = _check_storage(meta.storage_data)
+    _check_storage(meta.storage_data)
+    chunks = sum(len(item.chunks) for item in entries.values() if isinstance(item, TensorStorageMetadata)
+                 and isinstance(item.chunks, list))
+    _require(chunks <= MAX_CHUNKS, f"{chunks} tensor chunks, more than the {MAX_CHUNKS} a checkpoint may have "
+             "(Megatron writes one per layer, local expert and shard: ~19K for a 48-layer, 128-expert model)")
     checked: set[int] = set()  # entries shared through the pickle memo are checked once
     for key, item in entries.items():
         _require(isinstance(key, str), f"key {key!r} is not a string")
@@ -90,21 +98,18 @@ def check_metadata(meta: Any) -> None:
             continue
         checked.add(id(item))
         if isinstance(item, TensorStorageMetadata):
-            _check_tensor(key, item, len(files_of.get(key, ())))
+            _check_tensor(key, item)
         else:
             _require(type(item) is BytesStorageMetadata, f"{key}: entry of type {type(item).__name__}")
 
 
-def _check_tensor(key: str, item: Any, files: int) -> None:
+def _check_tensor(key: str, item: Any) -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
 
     _require(type(item.properties) is TensorProperties and isinstance(item.properties.dtype, torch.dtype),
              f"{key}: no valid dtype")
     size = _shape(item.size, f"{key}: global shape")
     _require(isinstance(item.chunks, list), f"{key}: chunks is not a list")
-    _require(len(item.chunks) <= MAX_CHUNKS_PER_FILE * max(files, 1),
-             f"{key}: {len(item.chunks)} chunks in {files} data file(s); writers store one or two per rank "
-             f"(at most {MAX_CHUNKS_PER_FILE} per file are read)")
     for chunk in item.chunks:
         _require(type(chunk) is ChunkStorageMetadata, f"{key}: a chunk of type {type(chunk).__name__}")
         offsets = _shape(chunk.offsets, f"{key}: chunk offsets")
@@ -120,15 +125,16 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_storage(storage: Any) -> dict[str, set[str]]:
-    """Check every storage entry; returns {tensor key: the data files holding its chunks}."""
+def _check_storage(storage: Any) -> None:
+    """Check every storage entry (one per chunk and per bytes item)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    files_of: dict[str, set[str]] = {}
     if storage is None:  # metadata written without storage info (never by FileSystemWriter)
-        return files_of
+        return
     _require(isinstance(storage, dict), "storage_data is not a dict")
+    _require(len(storage) <= 2 * MAX_CHUNKS, f"{len(storage)} storage entries, more than twice the {MAX_CHUNKS} "
+             "chunks a checkpoint may have")
     for index, info in storage.items():
         _require(type(index) is MetadataIndex and isinstance(index.fqn, str), "a storage key is not a MetadataIndex")
         _require(type(info) is _StorageInfo, f"{index.fqn}: storage entry of type {type(info).__name__}")
@@ -142,8 +148,6 @@ def _check_storage(storage: Any) -> dict[str, set[str]]:
         _require(descriptors is None or (isinstance(descriptors, (list, tuple))
                                          and all(isinstance(d, str) for d in descriptors)),
                  f"{index.fqn}: transform descriptors {descriptors!r} are not strings")
-        files_of.setdefault(index.fqn, set()).add(name)
-    return files_of
 
 
 def check_data_spans(ckpt_dir: str, meta: Any) -> None:

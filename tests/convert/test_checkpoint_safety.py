@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_cascade.config import ModelConfig, ParallelConfig
+from megatron_cascade.config.model import MoEConfig
 from megatron_cascade.config.training import OptimizerConfig
 from megatron_cascade.testing import run_distributed
 
@@ -383,9 +384,9 @@ def test_getattr_in_a_pickle_reaches_only_enum_members(tmp_path, target, name):
 
 
 def test_a_metadata_of_countless_tiny_chunks_is_refused_before_any_read(tmp_path):
-    """Red team (issue 29): an allow-listed ``.metadata`` splitting a tensor into 1-element chunks made
+    """Red team (issue 29): an allow-listed ``.metadata`` splitting tensors into 1-element chunks made
     every loader read and ``torch.load`` each one (7 s per MiB of metadata: hours at the old 1 GiB cap).
-    Now a tensor may have at most 8 chunks per data file holding it, and the file at most 256 MiB."""
+    Now a checkpoint may have at most ``MAX_CHUNKS`` tensor chunks in all, and the file at most 256 MiB."""
     import time
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -394,18 +395,44 @@ def test_a_metadata_of_countless_tiny_chunks_is_refused_before_any_read(tmp_path
     )
 
     from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
-    from megatron_cascade.checkpoint_safety.dcp_metadata import MAX_METADATA_BYTES
+    from megatron_cascade.checkpoint_safety.dcp_metadata import MAX_CHUNKS, MAX_METADATA_BYTES
 
-    n = 20_000
-    chunks = [ChunkStorageMetadata(offsets=torch.Size([i]), sizes=torch.Size([1])) for i in range(n)]
-    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n]), chunks)
-    storage = {MetadataIndex("w", torch.Size([i])): _StorageInfo("__0_0.distcp", 4 * i, 4) for i in range(n)}
+    n = MAX_CHUNKS + 1
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))  # one object: a small pickle
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n]), [chunk] * n)
+    storage = {MetadataIndex("w", torch.Size([0])): _StorageInfo("__0_0.distcp", 0, 4)}
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({"w": entry}, storage_data=storage)))
     start = time.perf_counter()
-    with pytest.raises(UnsafeCheckpointError, match=r"w: 20000 chunks in 1 data file\(s\)"):
+    with pytest.raises(UnsafeCheckpointError, match=f"{n} tensor chunks, more than the {MAX_CHUNKS}"):
         read_dcp_metadata(str(tmp_path))
     assert time.perf_counter() - start < 30  # ~1 s here; the load it prevents took ~12 s per 1,000 chunks
     with open(tmp_path / ".metadata", "wb") as f:
         f.truncate(MAX_METADATA_BYTES + 1)  # sparse: refused by its size, never read
     with pytest.raises(UnsafeCheckpointError, match=f"more than the {MAX_METADATA_BYTES} a metadata file may have"):
         read_dcp_metadata(str(tmp_path))
+
+
+DEEP_MOE = ModelConfig(num_layers=12, hidden_size=32, num_attention_heads=2, vocab_size=100, ffn_hidden_size=64,
+                       moe=MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=16))
+
+
+def _deep_moe_round_trip(root: str) -> float:
+    from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights, save_model_weights
+
+    initialize_model_parallel(ParallelConfig(), seed=3)
+    saved = build_gpt_model(DEEP_MOE, ParallelConfig())
+    save_model_weights(saved, root, DEEP_MOE)
+    loaded = build_gpt_model(DEEP_MOE, ParallelConfig())
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.zero_()
+    load_model_weights(loaded, root, DEEP_MOE)
+    return max((a - b).abs().max().item() for a, b in zip(saved.state_dict().values(), loaded.state_dict().values())
+               if isinstance(a, torch.Tensor) and a.is_floating_point())
+
+
+def test_a_deep_moe_checkpoint_of_one_rank_loads(tmp_path):
+    """Megatron stacks layers and local experts into one tensor per weight: a 12-layer, 8-expert model
+    on one rank writes 192 chunks of each expert weight into one file. The first metadata bound (8 per
+    tensor per file) refused every model of more than 8 layers, our own checkpoints included (seen)."""
+    assert run_distributed(_deep_moe_round_trip, 1, str(tmp_path / "w"))[0] == 0.0
