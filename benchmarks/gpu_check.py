@@ -1,9 +1,16 @@
 """GPU check for the day a GPU is lent: the GPU paths the CPU harness cannot run, on ONE GPU, in minutes.
 
     python benchmarks/gpu_check.py [--json FILE] [--steps N] [--layers N --hidden N --seq N --batch N]
+                                   [--moe-layers N --moe-seqs N [N ...] --moe-set KEY=VALUE]
     (or benchmarks/gpu_check.sh, which bounds it to 8 minutes)
 
-Checks, each printed as PASS / FAIL / SKIP with its figures:
+Checks, most informative first, each printed as PASS / FAIL / SKIP with its figures:
+  moe_slice       the Qwen3-30B-A3B recipe's model cut to 4 layers (128 experts top-8, qk_layernorm, full
+                  recompute, distributed optimizer with overlaps; grouped GEMM when TE): a training step
+                  timed at 8K and 32K tokens, its peak memory against the dry run's formula for the same
+                  shape (gpu_check_moe.py);
+  moe_checkpoint  a tiny MoE written on CPU (one weight per expert) loads into grouped experts (TE's
+                  TEGroupedMLP when TE imports): logits agree at bf16 tolerance;
   cpu_checkpoint  a local-spec model written on CPU (a subprocess without CUDA, fp32) loads into the
                   GPU model (Transformer Engine spec when TE imports, else the local spec): logits agree
                   with the CPU model's at bf16 tolerance;
@@ -39,6 +46,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling check files, however this is loaded
+sys.modules.setdefault("gpu_check", sys.modules[__name__])  # they import this module by that name
+import gpu_check_moe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_NO_GPU = 2
@@ -76,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=8, help="training sequences per step")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample")
     parser.add_argument("--write-cpu-checkpoint", metavar="DIR", help=argparse.SUPPRESS)  # the CPU subprocess
+    gpu_check_moe.add_arguments(parser)
     return parser
 
 
@@ -115,6 +127,7 @@ def write_cpu_checkpoint(args: argparse.Namespace, out_dir: str) -> None:
         with torch.no_grad():
             logits = model(tokens, positions, None)
         torch.save({"tokens": tokens, "logits": logits.float()}, os.path.join(out_dir, "reference.pt"))
+        gpu_check_moe.write_cpu_moe_checkpoint(args, out_dir)
     finally:
         shutdown_distributed()
 
@@ -578,6 +591,9 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
         try:
             # The graph-safe RNG tracker: megatron-core's graph managers (decode_cuda_graphs) refuse others.
             initialize_model_parallel(ParallelConfig(), seed=0, cuda_graphs=True)
+            te = te_version() is not None
+            results.append(guard("moe_slice", lambda: gpu_check_moe.check_moe_slice(args, te)))
+            results.append(guard("moe_checkpoint", lambda: gpu_check_moe.check_moe_checkpoint(args, ref_dir, te)))
             policy = build_policy(model_config(args, "bf16"), ParallelConfig(), OptimizerConfig(lr=LR),
                                   total_steps=args.steps + 2)
             init = flat_weights(policy)

@@ -1,6 +1,8 @@
 #!/bin/bash
-# GPU check on ONE GPU, bounded to 8 + 3 minutes: Transformer Engine spec model (local spec when TE is
-# absent), a CPU-written checkpoint loaded into it, bf16 steps after the load (fp32 masters
+# GPU check on ONE GPU, bounded to 8 + 3 minutes: a 4-layer slice of the Qwen3-30B-A3B recipe's MoE
+# model trained at 8K and 32K tokens (peak memory vs the dry run's plan), a CPU-written MoE checkpoint
+# into grouped experts, a Transformer Engine spec model (local spec when TE is absent), a CPU-written
+# checkpoint loaded into it, bf16 steps after the load (fp32 masters
 # reloaded), an FP8 step (TE only), generation, the decode copy (rollout.parallel: refit over NCCL,
 # bit-identical weights, same tokens, KV on demand preempting); hybrid: the paged engine with the
 # mamba_ssm / causal_conv1d kernels (and under a tight budget) and the static context vs a full
