@@ -644,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
           f"megatron-core {megatron.core.__version__}, transformer-engine {te_text}")
     print(f"model: {args.layers} layers x {args.hidden} hidden, vocab {args.vocab}; step = {args.batch} x {args.seq} "
           "tokens")
+    from megatron_cascade.torch_kernels import enable_torch_kernels
+
+    # A node with torch only (the carried wheelhouse: scripts/gpu_wheelhouse.sh): exact torch kernels.
+    print(f"torch stand-ins for: {', '.join(enable_torch_kernels()) or 'nothing (every kernel package imports)'}")
     start = time.perf_counter()
     results = run_checks(args, on_result=ResultLog(args.json).add)
     print(f"gpu_check: {time.perf_counter() - start:.0f} s")

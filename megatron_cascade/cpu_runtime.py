@@ -22,7 +22,7 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
   switched off: with a CUDA torch wheel ``import triton`` succeeds on a machine without a GPU,
   and Megatron takes a Triton path whenever it can import Triton, whatever the device;
 * Mamba-2 layers (hybrid models) get pure-torch kernels for the ``mamba_ssm`` / ``causal_conv1d``
-  ones they call (``megatron_cascade/ops/mamba_reference.py``; see ``_patch_mamba``).
+  ones they call (``megatron_cascade/ops/mamba_reference.py``; see ``torch_kernels.install_mamba``).
 
 It is a process-wide switch: call it once, before building models, in every worker process.
 On a machine with a GPU do not call it.
@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import logging
-import sys
-import types
 import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from megatron_cascade import torch_kernels
 
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None
@@ -143,108 +141,16 @@ def _patch_megatron() -> None:
     _patch_grad_clipping()
     _patch_optimizer_type_checks()
     _patch_paged_attention()
-    _patch_mamba()
+    torch_kernels.install_mamba(local_final_norm=True)
 
 
 def _patch_paged_attention() -> None:
     """Torch stand-ins for the flash-attn paged-KV kernels of Megatron's dynamic inference path
-    (``generate`` runs on a ``DynamicInferenceContext``)."""
+    (``generate`` runs on a ``DynamicInferenceContext``), and its Triton KV append off."""
     from megatron.core.inference.contexts import dynamic_context
 
-    from megatron_cascade.rollout.cpu_paged_attention import install
-
-    install()
+    torch_kernels.install_paged_attention()
     dynamic_context.triton_append_key_value_cache = None  # its torch fallback (the Triton one asserts CUDA)
-
-
-_TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
-
-
-def _stub_triton_tensor_ops() -> None:
-    """``mamba_mixer`` imports Megatron's Triton tensor ops at module level (``import triton``): without
-    Triton, a stand-in module with the torch versions (``rollout/cpu_paged_mamba.py``) lets it import."""
-    try:
-        importlib.import_module(_TRITON_TENSOR_OPS)
-        return
-    except ImportError:
-        pass
-    from megatron_cascade.rollout.cpu_paged_mamba import TENSOR_OPS
-
-    module = types.ModuleType(_TRITON_TENSOR_OPS)
-    for name, fn in TENSOR_OPS.items():
-        setattr(module, name, fn)
-    sys.modules[_TRITON_TENSOR_OPS] = module
-
-
-def _sharded_gated_norm_class():
-    """``mamba_mixer.ExtendedRMSNorm`` on the torch gated norm: the weight sharded over TP on dim 0.
-    (The original class body is lost: without ``mamba_ssm`` it subclasses a ``MagicMock``.)"""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-    from megatron_cascade.ops.mamba_reference import GatedRMSNorm
-
-    class ExtendedRMSNorm(GatedRMSNorm):
-        """Gated RMSNorm of a Mamba mixer, with a TP-sharded checkpoint entry (as megatron-core's)."""
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            tp_group = getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
-                tp_group=tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
-
-    return ExtendedRMSNorm
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != self.message
-
-
-def _quiet_rng_fork_notice() -> None:
-    """The RNG tracker's ``fork()`` logs "CPU RNG state changed within GPU RNG context" when the CPU
-    generator moved inside it. In CPU mode the "CUDA" generator *is* the CPU one (the tracker saves
-    and restores it around the block), so every initialisation inside a fork (the Mamba mixer's conv
-    and dt/A init) would log it: expected here, and nothing is lost."""
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
-        _DropMessage("CPU RNG state changed within GPU RNG context"))
-
-
-def _patch_mamba() -> None:
-    """Make megatron-core's ``MambaMixer`` / ``MambaStack`` run without CUDA-only packages.
-
-    * ``mamba_ssm`` (Triton kernels, gated RMSNorm) and ``causal_conv1d`` do not build on CPU: the
-      mixer refuses to start without ``mamba_ssm`` (``HAVE_MAMBA_SSM``) and its norm class
-      subclasses a ``MagicMock``. The torch references of ``ops/mamba_reference.py`` take their
-      place (same arguments, autograd backward); decoding already has torch fallbacks in the mixer.
-    * Packed sequences (training) and the paged engine (generation): the mixer asks for
-      ``causal_conv1d`` / ``mamba_ssm`` versions and calls their decode, varlen-state and Triton
-      tensor-op kernels; ``rollout/cpu_paged_mamba.py`` installs torch versions of all of them.
-    * ``MambaStack`` builds its final norm with ``TENorm`` unconditionally: a local norm instead
-      (``SequenceParallelNorm``: marks its weight for the SP gradient all-reduce).
-    """
-    _stub_triton_tensor_ops()
-    _quiet_rng_fork_notice()
-    from megatron.core.ssm import mamba_block, mamba_mixer
-
-    from megatron_cascade.model.cpu_spec import SequenceParallelNorm
-    from megatron_cascade.ops import mamba_reference
-
-    mamba_block.TENorm = SequenceParallelNorm
-    if mamba_mixer.HAVE_MAMBA_SSM:
-        return  # the real kernels are importable (a CUDA build): nothing to replace
-    mamba_mixer.ExtendedRMSNorm = _sharded_gated_norm_class()
-    mamba_mixer.RMSNormGated = mamba_reference.GatedRMSNorm
-    mamba_mixer.mamba_chunk_scan_combined = mamba_reference.mamba_chunk_scan_combined
-    mamba_mixer.mamba_split_conv1d_scan_combined = mamba_reference.mamba_split_conv1d_scan_combined
-    mamba_mixer.HAVE_MAMBA_SSM = True
-    from megatron_cascade.rollout import cpu_paged_mamba
-
-    cpu_paged_mamba.install()
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ Megatron-Core's dynamic inference path (``Attention.flash_decode_and_prefill`` u
 ``DynamicInferenceContext``) calls flash-attn's ``flash_attn_varlen_func(..., block_table=)`` for
 steps with prefill tokens and ``flash_attn_with_kvcache(..., block_table=)`` for decode-only steps,
 and asserts flash-attn >= 2.7.3 first; it has no torch path. ``install()`` (called by
-``enable_cpu_mode``) gives it one: same signatures, same results up to float rounding, never
-used on a GPU (there flash-attn >= 2.7.3 or FA3 is required).
+``enable_cpu_mode``) gives it one: same signatures, same results up to float rounding. On a GPU
+machine that has only torch, ``megatron_cascade/torch_kernels.py`` installs them too (slow; every
+tensor they make is on their inputs' device).
 
 Cache layout (Megatron's): ``k_cache``/``v_cache`` are ``[blocks, block_size, kv_heads, head_dim]``
 views of the context's memory buffer; ``block_table [requests, max_blocks]`` lists each request's
@@ -85,8 +86,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if decode:
         rows = torch.tensor([q_start[r] for r in decode], device=q.device)
         idx = torch.tensor(decode, device=q.device)
-        out[rows] = flash_attn_with_kvcache(q[rows].unsqueeze(1), k, v, torch.tensor([kv_len[r] for r in decode]),
-                                            block_table[idx], softmax_scale=scale).squeeze(1)
+        lengths = torch.tensor([kv_len[r] for r in decode], device=q.device)
+        out[rows] = flash_attn_with_kvcache(q[rows].unsqueeze(1), k, v, lengths, block_table[idx],
+                                            softmax_scale=scale).squeeze(1)
     for r, n in enumerate(q_len):
         if n <= 1:
             continue

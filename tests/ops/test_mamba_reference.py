@@ -15,6 +15,16 @@ from megatron_cascade.ops.mamba_reference import (
     mamba_split_conv1d_scan_combined,
     selective_state_update,
 )
+from megatron_cascade.testing.device_naming import factories_name_their_device
+
+
+@pytest.fixture(autouse=True)
+def _stand_ins_name_their_device():
+    """The stand-ins also run on a GPU machine without the CUDA kernels (``torch_kernels.py``): no
+    tensor of theirs may land on the default device (on a GPU: a CPU tensor beside CUDA ones)."""
+    with factories_name_their_device(["megatron_cascade.ops.mamba_reference",
+                                      "megatron_cascade.rollout.cpu_paged_mamba"]):
+        yield
 
 
 def naive_scan(x, dt, A, B, C, D, z=None, dt_bias=None, seq_idx=None, initial=None):

@@ -2,10 +2,21 @@
 scattered blocks, GQA, padding requests, prefixes from earlier chunks, and unwritten cache slots
 holding NaN (torch.empty garbage) that must not leak through the mask."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_cascade.rollout.cpu_paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache
+from megatron_cascade.testing.device_naming import factories_name_their_device
+
+
+@pytest.fixture(autouse=True)
+def _stand_ins_name_their_device():
+    """The stand-ins also run on a GPU machine without the CUDA kernels (``torch_kernels.py``): no
+    tensor of theirs may land on the default device (on a GPU: a CPU tensor beside CUDA ones)."""
+    with factories_name_their_device(["megatron_cascade.rollout.cpu_paged_attention"]):
+        yield
+
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
