@@ -21,7 +21,10 @@ Checks, most informative first, each printed as PASS / FAIL / SKIP with its figu
                   schedule, RNG) saved, a step taken, the checkpoint loaded and the step redone: the
                   same weights bit for bit (where two redos of the step agree bit for bit; else within
                   their own spread: a non-deterministic backward kernel);
-  fp8_step        the same with FP8 (hybrid, delayed scaling) — TE only, else SKIP;
+  fp8_step, fp8_resume, fp8_reference, fp8_generation
+                  FP8 (hybrid, delayed scaling; TE only, else SKIP): steps, a checkpoint's FP8 scales
+                  restored bit for bit, the bf16-GEMM frozen copy (KL reference, teachers) vs the FP8
+                  policy, paged generation padded to FP8's multiples (gpu_check_fp8.py);
   fused_logprob_head  a train step's forward+backward with the fused log-prob head vs the logits path:
                   the same loss at a lower peak memory;
   packed_step     padding-free packed rows (THD, TE attention with cu_seqlens) vs the padded batch: the
@@ -49,6 +52,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling check files, however this is loaded
 sys.modules.setdefault("gpu_check", sys.modules[__name__])  # they import this module by that name
+import gpu_check_fp8  # noqa: E402
 import gpu_check_moe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,22 +364,6 @@ def check_packed_step(policy, args: argparse.Namespace) -> Result:
                        padded_s=s0, packed_s=s1, padded_peak_gib=m0, packed_peak_gib=m1))
 
 
-def check_fp8_step(args: argparse.Namespace) -> Result:
-    import math
-
-    from megatron_cascade.config.model import FP8Config, ParallelConfig
-    from megatron_cascade.config.training import OptimizerConfig
-    from megatron_cascade.training import build_policy
-
-    if te_version() is None:
-        return Result("fp8_step", "SKIP", "Transformer Engine is not importable")
-    cfg = replace(model_config(args, "bf16"), fp8=FP8Config(format="hybrid", recipe="delayed"))
-    policy = build_policy(cfg, ParallelConfig(), OptimizerConfig(lr=LR), total_steps=args.steps + 2)
-    figures = timed_steps(policy, replace_batch_for_fp8(args))
-    ok = math.isfinite(figures["loss"])
-    return Result("fp8_step", "PASS" if ok else "FAIL", "FP8 hybrid, delayed scaling", figures)
-
-
 def replace_batch_for_fp8(args: argparse.Namespace) -> argparse.Namespace:
     """TE's FP8 GEMMs need token counts divisible by 16: round the sequence length up."""
     out = argparse.Namespace(**vars(args))
@@ -609,7 +597,7 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
             del policy
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            results.append(guard("fp8_step", lambda: check_fp8_step(args)))
+            results.extend(gpu_check_fp8.run_fp8_checks(args, guard))
             results.append(guard("nemotron_h_te", lambda: check_nemotron_h_conversion(ref_dir)))
         finally:
             shutdown_distributed()

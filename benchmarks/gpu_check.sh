@@ -2,11 +2,13 @@
 # GPU check on ONE GPU, bounded to 8 + 3 minutes: a 4-layer slice of the Qwen3-30B-A3B recipe's MoE
 # model trained at 8K and 32K tokens (peak memory vs the dry run's plan), a CPU-written MoE checkpoint
 # into grouped experts, a Transformer Engine spec model (local spec when TE is absent), a CPU-written
-# checkpoint loaded into it, bf16 steps after the load (fp32 masters
-# reloaded), an FP8 step (TE only), generation, the decode copy (rollout.parallel: refit over NCCL,
-# bit-identical weights, same tokens, KV on demand preempting); hybrid: the paged engine with the
-# mamba_ssm / causal_conv1d kernels (and under a tight budget) and the static context vs a full
-# recompute; prints step time, tokens/s, refit time and peak memory.
+# checkpoint loaded into it, bf16 steps after the load (fp32 masters reloaded), an optimizer resume,
+# generation, the decode copy (rollout.parallel: refit over NCCL, bit-identical weights, same tokens,
+# KV on demand preempting) with and without CUDA graphs, FP8 (TE only: steps, a checkpoint's scales
+# restored, the bf16 frozen copy vs FP8, generation); hybrid: the paged engine with the mamba_ssm /
+# causal_conv1d kernels (and under a tight budget) and the static context vs a full recompute; prints
+# step time, tokens/s, refit time and peak memory. Without TE / flash-attn / mamba-ssm (a node with
+# torch only: scripts/gpu_wheelhouse.sh) the torch stand-ins run instead (megatron_cascade/torch_kernels.py).
 #
 #   benchmarks/gpu_check.sh [gpu_check.py options, e.g. --json results.json]
 #
