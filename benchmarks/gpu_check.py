@@ -1,7 +1,7 @@
 """GPU check for the day a GPU is lent: the GPU paths the CPU harness cannot run, on ONE GPU, in minutes.
 
     python benchmarks/gpu_check.py [--json FILE] [--steps N] [--layers N --hidden N --seq N --batch N]
-                                   [--moe-layers N --moe-seqs N [N ...] --moe-set KEY=VALUE]
+                                   [--slice-seqs N [N ...] --moe-set KEY=VALUE --hybrid-set KEY=VALUE]
     (or benchmarks/gpu_check.sh, which bounds it to 8 minutes)
 
 Checks, most informative first, each printed as PASS / FAIL / SKIP with its figures:
@@ -9,6 +9,8 @@ Checks, most informative first, each printed as PASS / FAIL / SKIP with its figu
                   recompute, distributed optimizer with overlaps; grouped GEMM when TE): a training step
                   timed at 8K and 32K tokens, its peak memory against the dry run's formula for the same
                   shape (gpu_check_moe.py);
+  hybrid_slice    the same for the Nemotron-3-Nano recipe's hybrid model at pattern MEM*E (Mamba-2, MoE
+                  with its shared expert, attention);
   moe_checkpoint  a tiny MoE written on CPU (one weight per expert) loads into grouped experts (TE's
                   TEGroupedMLP when TE imports): logits agree at bf16 tolerance;
   cpu_checkpoint  a local-spec model written on CPU (a subprocess without CUDA, fp32) loads into the
@@ -581,6 +583,7 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
             initialize_model_parallel(ParallelConfig(), seed=0, cuda_graphs=True)
             te = te_version() is not None
             results.append(guard("moe_slice", lambda: gpu_check_moe.check_moe_slice(args, te)))
+            results.append(guard("hybrid_slice", lambda: gpu_check_moe.check_hybrid_slice(args, te)))
             results.append(guard("moe_checkpoint", lambda: gpu_check_moe.check_moe_checkpoint(args, ref_dir, te)))
             policy = build_policy(model_config(args, "bf16"), ParallelConfig(), OptimizerConfig(lr=LR),
                                   total_steps=args.steps + 2)

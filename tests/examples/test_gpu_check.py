@@ -18,12 +18,17 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "4",
-        "--steps", "2", "--new-tokens", "4", "--moe-layers", "2", "--moe-seqs", "32", "64"]
-# The MoE slice: the Qwen3 recipe's model with its widths shrunk (every other setting the recipe's).
-for _override in ("model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
-                  "model.num_query_groups=2", "model.kv_channels=16", "model.vocab_size=256",
-                  "model.moe.num_experts=4", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=32"):
-    TINY += ["--moe-set", _override]
+        "--steps", "2", "--new-tokens", "4", "--slice-seqs", "32", "64"]
+# The recipe slices: each recipe's model with its widths shrunk (every other setting the recipe's).
+_SMALL = ("model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
+          "model.kv_channels=16", "model.vocab_size=256", "model.moe.num_experts=4", "model.moe.router_topk=2",
+          "model.moe.ffn_hidden_size=32")
+for _override in _SMALL:
+    TINY += ["--moe-set", _override, "--hybrid-set", _override]
+for _override in ("model.moe.shared_expert_intermediate_size=64", "model.hybrid.mamba_num_heads=4",
+                  "model.hybrid.mamba_head_dim=16", "model.hybrid.mamba_state_dim=16", "model.hybrid.mamba_num_groups=2",
+                  "model.hybrid.mamba_chunk_size=16"):
+    TINY += ["--hybrid-set", _override]
 
 
 def load_gpu_check():
@@ -87,13 +92,14 @@ def test_checks_run_on_cpu_with_a_tiny_model(tmp_path):
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
     printed = [x.split()[1] for x in res.stdout.splitlines() if x.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])]
     assert printed == list(results), res.stdout[-3000:]  # one line per check, in order
-    for name in ("moe_slice", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "fused_logprob_head", "packed_step", "generation", "decode_copy",
+    for name in ("moe_slice", "hybrid_slice", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "fused_logprob_head", "packed_step", "generation", "decode_copy",
                  "decode_cuda_graphs", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     for name in ("fp8_step", "fp8_resume", "fp8_reference", "fp8_generation"):  # Transformer Engine only
         assert results[name]["status"] == "SKIP", results[name]
-    moe = results["moe_slice"]["figures"]
-    assert moe["planned_gib_64"] > moe["planned_gib_32"] > 0 and moe["tokens_per_s_64"] > 0, moe
+    for name in ("moe_slice", "hybrid_slice"):
+        fig = results[name]["figures"]
+        assert fig["planned_gib_64"] > fig["planned_gib_32"] > 0 and fig["tokens_per_s_64"] > 0, fig
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
     assert results["bf16_step"]["figures"]["tokens_per_s"] > 0
     assert results["optimizer_resume"]["figures"]["max_diff_resumed"] == 0.0, results["optimizer_resume"]
