@@ -111,6 +111,13 @@ def test_recipe_fits_80_gib(capsys):
     code, out, err = dry_run("cascade.yaml", capsys)
     assert code == 0, out + err
     assert "WARNING" not in out, out
+    peaks = {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +peak +([\d.]+) GiB", out, re.M)}
+    at_once = {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +peak .*? = ([\d.]+)/GPU", out, re.M)}
+    assert len(peaks) == len(at_once) == 7 and max(peaks.values()) <= 78.0, peaks
+    # Issue 24's target: >= 16 samples decoding at once per GPU where the batch allows (not MOPD's 8
+    # local samples per GPU, nor code RL's 121K-token responses: 2.9 GiB of KV each per GPU).
+    for stage in ("if_rl", "multi_domain_rl", "long_context_rl", "rlhf"):
+        assert at_once[stage] >= 16, at_once
 
 
 def test_per_stage_files_match_the_full_cascade():
