@@ -377,7 +377,7 @@ def check_generation(policy, args: argparse.Namespace) -> Result:
     """The paged generator (flash-attn paged KV kernels on GPU; their torch stand-ins on CPU): every
     sample runs to its budget, and the log-probs it recorded while decoding equal a teacher-forced
     recompute of the same tokens through the training forward (no KV cache) to bf16 precision."""
-    from megatron_cascade.cascade.batches import rollout_batch
+    from megatron_cascade.stages.step_batches import rollout_batch
     from megatron_cascade.config.training import LossConfig
     from megatron_cascade.rollout import SamplingParams, generate
     from megatron_cascade.tokenizers import build_tokenizer

@@ -127,7 +127,7 @@ def _streaming_worker(prompts_n: int, samples: int, max_new_tokens: int, delay_s
                       repeats: int) -> dict[str, float]:
     import torch
 
-    from megatron_cascade.cascade.scoring import RolloutScorer, score_responses
+    from megatron_cascade.stages.rollout_scoring import RolloutScorer, score_responses
     from megatron_cascade.config import ModelConfig, ParallelConfig
     from megatron_cascade.config.schema import DomainConfig, RewardSpec
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel

@@ -155,7 +155,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     setup_console_logging(show_everything=args.verbose)
-    from megatron_cascade.cascade.data import DataError
+    from megatron_cascade.stages.prompt_data import DataError
     from megatron_cascade.cascade.run_lock import RunLockError
     from megatron_cascade.model import CheckpointError
     from megatron_cascade.rewards.sandbox import SandboxUnavailableError

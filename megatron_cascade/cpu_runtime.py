@@ -18,7 +18,7 @@ creates CUDA streams and events. ``enable_cpu_mode()`` redirects exactly those, 
 * ``all_to_all_single`` gets its split sizes as lists (gloo rejects the numpy arrays the MoE
   alltoall dispatcher passes);
 * the flash-attn paged-KV kernels of Megatron's dynamic inference attention get torch stand-ins
-  (``megatron_cascade/rollout/cpu_paged_attention.py``), and its Triton KV-append kernel is
+  (``megatron_cascade/ops/paged_attention_reference.py``), and its Triton KV-append kernel is
   switched off: with a CUDA torch wheel ``import triton`` succeeds on a machine without a GPU,
   and Megatron takes a Triton path whenever it can import Triton, whatever the device;
 * Mamba-2 layers (hybrid models) get pure-torch kernels for the ``mamba_ssm`` / ``causal_conv1d``
@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from megatron_cascade import torch_kernels
+from megatron_cascade import run_logging, torch_kernels
 
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None
@@ -216,25 +215,12 @@ def _patch_grad_clipping() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
-def silence_cpu_warnings() -> None:
-    """Hide Megatron-Core's import-time notices that TE/apex/CUDA are absent (expected on CPU); nothing
-    is hidden under ``--verbose``."""
-    from megatron_cascade.run_logging import verbose
-
-    if verbose():
-        return
-    for pattern in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
-                    ".*cuda_graph_scope.*", ".*all_gather_into_tensor.*", ".*reduce_scatter_tensor.*",
-                    ".*load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):
-        warnings.filterwarnings("ignore", message=pattern)
-
-
 def enable_cpu_mode() -> None:
     """Make Megatron-Core runnable on CPU in this process (idempotent)."""
     global _ENABLED, _MODE
     if _ENABLED:
         return
-    silence_cpu_warnings()
+    run_logging.silence_cpu_warnings()
     _patch_cuda_runtime()
     _patch_all_to_all()
     _patch_megatron()

@@ -239,7 +239,7 @@ def _sandbox_line() -> str:
 
 
 def _generates(cfg: RunConfig) -> bool:
-    from megatron_cascade.stages.registry import stage_type
+    from megatron_cascade.config.stage_types import stage_type
 
     return cfg.eval.enabled or any(stage_type(s.type).generates for s in cfg.stages)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 VERBOSE_ENV = "MEGATRON_CASCADE_VERBOSE"  # set by --verbose: child processes show everything too
 _FORMAT = "[%(asctime)s r{rank} %(name)s] %(levelname)s %(message)s"
@@ -51,9 +52,18 @@ def setup_console_logging(show_everything: bool = False) -> None:
         if isinstance(old, logging.StreamHandler) and not isinstance(old, logging.FileHandler):
             root.removeHandler(old)
     root.addHandler(handler)
-    from megatron_cascade.cpu_runtime import silence_cpu_warnings
-
     silence_cpu_warnings()
+
+
+def silence_cpu_warnings() -> None:
+    """Hide Megatron-Core's import-time notices that TE/apex/CUDA are absent (expected on CPU); nothing
+    is hidden under ``--verbose``."""
+    if verbose():
+        return
+    for pattern in (".*Transformer Engine.*", ".*Apex is not installed.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+                    ".*cuda_graph_scope.*", ".*all_gather_into_tensor.*", ".*reduce_scatter_tensor.*",
+                    ".*load_state_dict` is deprecated.*", ".*deprecating ShardedTensor.*"):
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def log_to_file(output_dir: str) -> str:

@@ -1,6 +1,6 @@
 """Torch stand-ins for the CUDA-extension kernels Megatron-Core calls: flash-attn's paged KV-cache
-attention (``rollout/cpu_paged_attention.py``) and the ``mamba_ssm`` / ``causal_conv1d`` kernels of
-Mamba-2 layers (``ops/mamba_reference.py``, ``rollout/cpu_paged_mamba.py``).
+attention (``ops/paged_attention_reference.py``) and the ``mamba_ssm`` / ``causal_conv1d`` kernels of
+Mamba-2 layers (``ops/mamba_reference.py``, ``ops/mamba_tensor_ops.py``).
 
 CPU mode (``cpu_runtime.enable_cpu_mode``) always installs them. ``enable_torch_kernels()`` installs,
 on a GPU machine, those whose package is missing: a node that has only torch (no flash-attn,
@@ -23,13 +23,13 @@ _TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.
 
 def _stub_triton_tensor_ops() -> None:
     """``mamba_mixer`` imports Megatron's Triton tensor ops at module level (``import triton``): without
-    Triton, a stand-in module with the torch versions (``rollout/cpu_paged_mamba.py``) lets it import."""
+    Triton, a stand-in module with the torch versions (``ops/mamba_tensor_ops.py``) lets it import."""
     try:
         importlib.import_module(_TRITON_TENSOR_OPS)
         return
     except ImportError:
         pass
-    from megatron_cascade.rollout.cpu_paged_mamba import TENSOR_OPS
+    from megatron_cascade.ops.mamba_tensor_ops import TENSOR_OPS
 
     module = types.ModuleType(_TRITON_TENSOR_OPS)
     for name, fn in TENSOR_OPS.items():
@@ -84,7 +84,7 @@ def install_mamba(*, local_final_norm: bool) -> None:
       place (same arguments, autograd backward); decoding already has torch fallbacks in the mixer.
     * Packed sequences (training) and the paged engine (generation): the mixer asks for
       ``causal_conv1d`` / ``mamba_ssm`` versions and calls their decode, varlen-state and Triton
-      tensor-op kernels; ``rollout/cpu_paged_mamba.py`` installs torch versions of all of them.
+      tensor-op kernels; ``ops/mamba_tensor_ops.py`` installs torch versions of all of them.
     * ``MambaStack`` builds its final norm with ``TENorm`` unconditionally: with ``local_final_norm``
       (CPU mode; a GPU without Transformer Engine) a local norm instead (``SequenceParallelNorm``:
       marks its weight for the SP gradient all-reduce).
@@ -105,14 +105,14 @@ def install_mamba(*, local_final_norm: bool) -> None:
     mamba_mixer.mamba_chunk_scan_combined = mamba_reference.mamba_chunk_scan_combined
     mamba_mixer.mamba_split_conv1d_scan_combined = mamba_reference.mamba_split_conv1d_scan_combined
     mamba_mixer.HAVE_MAMBA_SSM = True
-    from megatron_cascade.rollout import cpu_paged_mamba
+    from megatron_cascade.ops import mamba_tensor_ops
 
-    cpu_paged_mamba.install()
+    mamba_tensor_ops.install()
 
 
 def install_paged_attention() -> None:
     """Route Megatron's dynamic-batching attention to the torch stand-ins (idempotent)."""
-    from megatron_cascade.rollout.cpu_paged_attention import install
+    from megatron_cascade.ops.paged_attention_reference import install
 
     install()
 

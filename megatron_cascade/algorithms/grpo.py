@@ -53,6 +53,36 @@ def _check_advantages(fn: str, advantages: torch.Tensor, logprobs: torch.Tensor)
         )
 
 
+def _checked_grpo_inputs(logprobs, mask, advantages, old_logprobs, inference_logprobs, ref_logprobs, clip_eps,
+                         is_bounds, is_mode, kl_coef, check_finite) -> tuple[torch.Tensor, tuple[float, float]]:
+    """``grpo_loss``'s argument checks (``ValueError`` naming the argument); returns the boolean mask
+    and the clip range."""
+    fn = "grpo_loss"
+    check_2d(fn, "logprobs", logprobs)
+    check_same_shape(fn, "mask", mask, "logprobs", logprobs)
+    _check_advantages(fn, advantages, logprobs)
+    optional_check(fn, "old_logprobs", old_logprobs, logprobs)
+    optional_check(fn, "inference_logprobs", inference_logprobs, logprobs)
+    optional_check(fn, "ref_logprobs", ref_logprobs, logprobs)
+    clip = _clip_eps(fn, clip_eps)
+    check_bounds(fn, "is_bounds", is_bounds)
+    if is_mode not in IS_MODES:
+        raise ValueError(f"{fn}: `is_mode` must be one of {IS_MODES}, got {is_mode!r}")
+    if kl_coef < 0:
+        raise ValueError(f"{fn}: `kl_coef` must be >= 0, got {kl_coef}")
+    if kl_coef != 0 and ref_logprobs is None:
+        raise ValueError(f"{fn}: `kl_coef` is {kl_coef} but no `ref_logprobs` were given")
+    m = as_bool_mask(fn, mask)
+    if check_finite:
+        check_finite_at(fn, "logprobs", logprobs, m)
+        check_finite_at(fn, "advantages", advantages, m.any(dim=1) if advantages.dim() == 1 else m)
+        for name, x in (("old_logprobs", old_logprobs), ("inference_logprobs", inference_logprobs),
+                        ("ref_logprobs", ref_logprobs)):
+            if x is not None:
+                check_finite_at(fn, name, x, m)
+    return m, clip
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -114,37 +144,8 @@ def grpo_loss(
         ValueError: on shape mismatches (naming the argument and both shapes), bad options,
             non-0/1 masks, ``kl_coef != 0`` without ``ref_logprobs``, or non-finite inputs.
     """
-    fn = "grpo_loss"
-    check_2d(fn, "logprobs", logprobs)
-    check_same_shape(fn, "mask", mask, "logprobs", logprobs)
-    _check_advantages(fn, advantages, logprobs)
-    optional_check(fn, "old_logprobs", old_logprobs, logprobs)
-    optional_check(fn, "inference_logprobs", inference_logprobs, logprobs)
-    optional_check(fn, "ref_logprobs", ref_logprobs, logprobs)
-    eps_lo, eps_hi = _clip_eps(fn, clip_eps)
-    check_bounds(fn, "is_bounds", is_bounds)
-    if is_mode not in IS_MODES:
-        raise ValueError(f"{fn}: `is_mode` must be one of {IS_MODES}, got {is_mode!r}")
-    if kl_coef < 0:
-        raise ValueError(f"{fn}: `kl_coef` must be >= 0, got {kl_coef}")
-    if kl_coef != 0 and ref_logprobs is None:
-        raise ValueError(f"{fn}: `kl_coef` is {kl_coef} but no `ref_logprobs` were given")
-
-    m = as_bool_mask(fn, mask)
-    if check_finite:
-        check_finite_at(fn, "logprobs", logprobs, m)
-        if advantages.dim() == 1:
-            check_finite_at(fn, "advantages", advantages, m.any(dim=1))
-        else:
-            check_finite_at(fn, "advantages", advantages, m)
-        for name, x in (
-            ("old_logprobs", old_logprobs),
-            ("inference_logprobs", inference_logprobs),
-            ("ref_logprobs", ref_logprobs),
-        ):
-            if x is not None:
-                check_finite_at(fn, name, x, m)
-
+    m, (eps_lo, eps_hi) = _checked_grpo_inputs(logprobs, mask, advantages, old_logprobs, inference_logprobs,
+                                               ref_logprobs, clip_eps, is_bounds, is_mode, kl_coef, check_finite)
     dt = compute_dtype(logprobs.dtype)
     zeros = torch.zeros(logprobs.shape, dtype=dt, device=logprobs.device)
     logp = torch.where(m, logprobs.to(dt), zeros)
@@ -178,7 +179,7 @@ def grpo_loss(
     else:
         kl_sum = torch.zeros((), dtype=torch.float64, device=logprobs.device)
 
-    n = resolve_normalizer(fn, normalizer, m.sum(), dt)
+    n = resolve_normalizer("grpo_loss", normalizer, m.sum(), dt)
     loss = -numerator / n
 
     with torch.no_grad():

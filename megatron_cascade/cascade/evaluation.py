@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.cascade.data import Example
-from megatron_cascade.cascade.scoring import RolloutScorer
+from megatron_cascade.stages.prompt_data import Example
+from megatron_cascade.stages.rollout_scoring import RolloutScorer
 from megatron_cascade.config.schema import DistributedConfig, DomainConfig, EvalConfig, RolloutConfig
 from megatron_cascade.environments.runner import run_episodes
 from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
 from megatron_cascade.rollout import KVCacheConfig, SamplingParams
-from megatron_cascade.rollout.groups import GenerationReplica
+from megatron_cascade.rollout.replica_groups import GenerationReplica
 from megatron_cascade.rollout.meeting import meet_after_generation
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import itertools
 import os
 from typing import Optional
 
-from megatron_cascade.cascade.data import DataError, RowCheck, parse_rows
+from megatron_cascade.stages.prompt_data import DataError, RowCheck, parse_rows
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.config import ConfigError, RunConfig
 from megatron_cascade.config.origins import ConfigOrigins

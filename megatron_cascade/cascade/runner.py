@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.cascade.data import load_examples
+from megatron_cascade.stages.prompt_data import load_examples
 from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.cascade.preflight import preflight
@@ -23,7 +23,7 @@ from megatron_cascade.cascade.runtime import (
     is_main_rank,
     shutdown_distributed,
 )
-from megatron_cascade.cascade.scoring import build_domain_rewards
+from megatron_cascade.stages.rollout_scoring import build_domain_rewards
 from megatron_cascade.cascade.stage import RunContext, StageRunner
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage, to_yaml
 from megatron_cascade.config.origins import ConfigOrigins

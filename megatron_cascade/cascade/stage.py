@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.cascade.data import Example, PromptMixer, load_examples
+from megatron_cascade.stages.prompt_data import Example, PromptMixer, load_examples
 from megatron_cascade.environments.settings import domain_row_check
 from megatron_cascade.cascade.evaluation import DomainEval, data_parallel, evaluate_detailed
 from megatron_cascade.cascade.logger import StageLogger
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root, stage_dir
 from megatron_cascade.cascade.runtime import Preempted, PreemptionWatch, is_main_rank
 from megatron_cascade.cascade.step_metrics import rollout_metrics
-from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE
+from megatron_cascade.stages.teachers import TOKENIZER_FINGERPRINT_FILE
 from megatron_cascade.config.model import ConfigError, DecodeParallelConfig
 from megatron_cascade.config.loader import start_stage
 from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.stages import stage_class
-from megatron_cascade.stages.registry import stage_type
+from megatron_cascade.config.stage_types import stage_type
 from megatron_cascade.training import build_policy, optimize_on_batch
 from megatron_cascade.training.checkpoint import (
     agreed_latest,
@@ -37,7 +37,7 @@ from megatron_cascade.training.checkpoint import (
     save_final_weights,
     save_training_checkpoint,
 )
-from megatron_cascade.rollout.groups import GenerationReplica
+from megatron_cascade.rollout.replica_groups import GenerationReplica
 from megatron_cascade.training.decode_copy import DecodeCopy
 from megatron_cascade.training.policy import finish_param_sync, load_policy_weights
 

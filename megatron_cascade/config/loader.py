@@ -27,7 +27,7 @@ from megatron_cascade.config.training import (
 from megatron_cascade.config.yaml_safety import (
     check_interpolations, check_yaml_size, include_path, parse_override_value,
 )
-from megatron_cascade.stages.registry import STAGE_TYPES, stage_type
+from megatron_cascade.config.stage_types import STAGE_TYPES, stage_type
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 # The key a validation error is about: "stages[1].steps=0 ...", "stages[1] (if_rl): rollout.top_p=2 ...".

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 from megatron_cascade.config.model import DecodeParallelConfig, ModelConfig, ParallelConfig
 from megatron_cascade.config.rules import MAX_TIMEOUT_S, Choice, checked, ranged, require
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
-from megatron_cascade.stages.registry import STAGE_TYPES as _REGISTERED_STAGE_TYPES
-from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
+from megatron_cascade.config.stage_types import STAGE_TYPES as _REGISTERED_STAGE_TYPES
+from megatron_cascade.config.template_args import chat_template_kwargs_problem
 
 STAGE_TYPES = tuple(_REGISTERED_STAGE_TYPES)  # the stage-type registry (megatron_cascade/stages)
 

@@ -30,7 +30,7 @@ from megatron_cascade.environments.workers import Pending
 from megatron_cascade.rewards.outcome import ResponseFault
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, RolloutSample, SamplingParams, generate
 from megatron_cascade.rollout.batch import GenerationStats
-from megatron_cascade.rollout.groups import model_parallel_source, replica_groups
+from megatron_cascade.rollout.replica_groups import model_parallel_source, replica_groups
 from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.tokenizers.base import Tokenizer
 

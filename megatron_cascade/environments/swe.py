@@ -52,7 +52,7 @@ from typing import Any, Optional, Sequence
 from megatron_cascade.environments.base import EnvStep, Environment, register_environment
 from megatron_cascade.environments.chat import tool_turn_ids
 from megatron_cascade.environments.swe_tools import SandboxRunner, ToolError, Workspace, module_name, normalize_path
-from megatron_cascade.environments.tool_calls import CLOSE, BadToolCall, ToolCall, parse_tool_calls
+from megatron_cascade.rewards.tool_calls import CLOSE, BadToolCall, ToolCall, parse_tool_calls
 from megatron_cascade.rewards.reasoning import ReasoningParser
 from megatron_cascade.rewards.sandbox import CodeSandbox
 

@@ -19,7 +19,7 @@ import jsonschema
 
 from megatron_cascade.environments.base import EnvStep, Environment, register_environment
 from megatron_cascade.environments.chat import tool_turn_ids
-from megatron_cascade.environments.tool_calls import BadToolCall, ToolCall, parse_tool_calls
+from megatron_cascade.rewards.tool_calls import BadToolCall, ToolCall, parse_tool_calls
 from megatron_cascade.environments.tools import BUILTIN_TOOLS, PythonTool, ToolFn, load_tool, result_text
 from megatron_cascade.rewards.outcome import ResponseFault
 

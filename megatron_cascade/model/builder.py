@@ -97,7 +97,6 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inferenc
     validate_hybrid_layout(model, parallel.tensor_model_parallel_size, parallel.context_parallel_size)
     dtype = params_dtype(model)
     use_cpu = not torch.cuda.is_available()
-    moe = model.moe
     activation_func, gated = _activation(model)
     kwargs = dict(
         # [] = graphs (when any) capture whole layers: megatron-core's own default "full" says the same
@@ -151,39 +150,52 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inferenc
         kwargs.update(recompute_granularity=model.recompute)
         if model.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
-    if moe.num_experts is not None:
-        kwargs.update(
-            num_moe_experts=moe.num_experts,
-            moe_router_topk=moe.router_topk,
-            moe_ffn_hidden_size=moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
-            moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
-            moe_router_pre_softmax=moe.router_pre_softmax,
-            moe_router_load_balancing_type=moe.router_load_balancing_type,
-            moe_aux_loss_coeff=moe.aux_loss_coeff,
-            moe_token_dispatcher_type=moe.token_dispatcher_type,
-            moe_grouped_gemm=moe.grouped_gemm,
-            moe_layer_freq=moe.layer_freq,
-            moe_router_score_function=moe.router_score_function,
-            moe_router_enable_expert_bias=moe.router_enable_expert_bias,
-            moe_router_bias_update_rate=moe.router_bias_update_rate,
-            moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
-            moe_router_dtype="fp32",
-        )
-    if model.fp8.format is not None:
-        if not transformer_engine_available():
-            raise ConfigError("model.fp8.format is set but Transformer Engine with CUDA is not available")
-        kwargs.update(
-            fp8=model.fp8.format,
-            fp8_recipe=model.fp8.recipe,
-            fp8_amax_history_len=model.fp8.amax_history_len,
-            fp8_amax_compute_algo=model.fp8.amax_compute_algo,
-            fp8_margin=model.fp8.margin,
-            fp8_param=model.fp8.param_gather,
-        )
+    kwargs.update(_moe_kwargs(model))
+    kwargs.update(_fp8_kwargs(model))
     try:
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError) as exc:
         raise ConfigError(f"Megatron-Core rejected the model config: {exc}") from exc
+
+
+def _moe_kwargs(model: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of ``model.moe`` (none for a dense model)."""
+    moe = model.moe
+    if moe.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        moe_router_pre_softmax=moe.router_pre_softmax,
+        moe_router_load_balancing_type=moe.router_load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_grouped_gemm=moe.grouped_gemm,
+        moe_layer_freq=moe.layer_freq,
+        moe_router_score_function=moe.router_score_function,
+        moe_router_enable_expert_bias=moe.router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
+        moe_router_dtype="fp32",
+    )
+
+
+def _fp8_kwargs(model: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of ``model.fp8`` (none with FP8 off); ``ConfigError`` without TE."""
+    if model.fp8.format is None:
+        return {}
+    if not transformer_engine_available():
+        raise ConfigError("model.fp8.format is set but Transformer Engine with CUDA is not available")
+    return dict(
+        fp8=model.fp8.format,
+        fp8_recipe=model.fp8.recipe,
+        fp8_amax_history_len=model.fp8.amax_history_len,
+        fp8_amax_compute_algo=model.fp8.amax_compute_algo,
+        fp8_margin=model.fp8.margin,
+        fp8_param=model.fp8.param_gather,
+    )
 
 
 def decoder_block_spec(config, normalization: str):

@@ -138,7 +138,7 @@ def _local_attention_class():
             over CP, put back in sequence order), masked causally by global position."""
             from megatron.core import parallel_state
 
-            from megatron_cascade.training.context_parallel import cp_row_positions
+            from megatron_cascade.ops.zigzag import cp_row_positions
 
             group = parallel_state.get_context_parallel_group()
             rank = dist.get_rank(group)

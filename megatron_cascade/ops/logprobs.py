@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 # Elements of a float32 temporary per chunk (64 MiB): small against the logits, large enough that
-# per-chunk overhead does not show.
-_CHUNK_ELEMENTS = 1 << 24
+# per-chunk overhead does not show (the dry run plans the fused head's buffers from it).
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _default_chunk(vocab_local: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, vocab_local))
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
 
 
 def _accumulation_dtype(logits: torch.Tensor) -> torch.dtype:

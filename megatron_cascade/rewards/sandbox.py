@@ -51,16 +51,12 @@ per-program uid -- no file-system, network, IPC or keyring isolation.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import grp
 import json
 import logging
 import os
 import platform
-import pwd
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -71,94 +67,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import psutil
-
-from megatron_cascade.config.rules import MAX_TIMEOUT_S
 from megatron_cascade.rewards import _sandbox_seccomp
+from megatron_cascade.rewards.sandbox_processes import (
+    _UIDS, _clean_env, _kill_tree, _read_capped, _rlimits, _seccomp_hex, _wait_exited, program_python,
+)
+from megatron_cascade.rewards.sandbox_types import Program, SandboxLimits, SandboxResult, SandboxUnavailableError
+
+__all__ = ["CodeSandbox", "Program", "SandboxLimits", "SandboxResult", "SandboxUnavailableError", "isolation_kind",
+           "isolation_problem", "program_python"]
 
 logger = logging.getLogger(__name__)
 
 _LAUNCHER_SOURCE_PATH = os.path.join(os.path.dirname(__file__), "_sandbox_init.py")
-_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-_REAP_TIMEOUT_S = 5.0  # how long to wait for a SIGKILLed tree to be reaped
-_UID_WAIT_S = 600.0  # how long a program waits for a free uid of its rank's range
-_MIN_PROCESS_MB = 24  # address space a Python process needs to start (VmPeak ~14 MiB)
 _SYSTEM_LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32", "/lib", "/lib64", "/lib32",
                         "/libx32")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # Capabilities the launcher uses: namespaces/mounts, the uid and gid drop, the work dir's owner.
 _NEEDED_CAPS = {"CAP_SYS_ADMIN": 21, "CAP_SETUID": 7, "CAP_SETGID": 6, "CAP_CHOWN": 0}
-
-
-class SandboxUnavailableError(RuntimeError):
-    """The isolated sandbox cannot run here (or its uid range is unusable); the message says why."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits for one program and everything it starts.
-
-    Attributes:
-        timeout_s: wall-clock limit in seconds; the process tree is killed after it.
-        memory_mb: memory of the whole process tree in MiB: each process gets an address-space
-            limit (``RLIMIT_AS``) of ``memory_mb / max_processes``.
-        max_processes: processes and threads of the tree (``RLIMIT_NPROC`` of its own uid).
-        max_file_mb: largest file the program may write (``RLIMIT_FSIZE``) in MiB; also
-            caps its stdout and stderr.
-        max_disk_mb: size in MiB of the tmpfs holding its work dir, ``/tmp`` and ``/dev/shm``.
-        max_open_files: ``RLIMIT_NOFILE``.
-        max_output_bytes: bytes of stdout/stderr read back.
-    """
-
-    timeout_s: float = 5.0
-    memory_mb: int = 1024
-    max_processes: int = 4
-    max_file_mb: int = 16
-    max_disk_mb: int = 64
-    max_open_files: int = 64
-    max_output_bytes: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
-        for name in ("memory_mb", "max_processes", "max_file_mb", "max_disk_mb", "max_open_files",
-                     "max_output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.memory_mb // self.max_processes < _MIN_PROCESS_MB:
-            raise ValueError(f"memory_mb / max_processes = {self.memory_mb} / {self.max_processes} MiB is below "
-                             f"the {_MIN_PROCESS_MB} MiB a Python process needs: raise memory_mb")
-
-    @property
-    def process_memory_bytes(self) -> int:
-        """``RLIMIT_AS`` of each process (bytes)."""
-        return (self.memory_mb << 20) // self.max_processes
-
-
-@dataclass(frozen=True)
-class Program:
-    """A program to run: Python ``source`` fed ``stdin`` (text)."""
-
-    source: str
-    stdin: str = ""
-
-
-@dataclass
-class SandboxResult:
-    """Outcome of one run. ``wall_s`` is seconds from spawn to reap."""
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
-    wall_s: float
-    skipped: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """True when the program exited with status 0 before the timeout."""
-        return self.returncode == 0 and not self.timed_out and not self.skipped
 
 
 @functools.lru_cache(maxsize=1)
@@ -341,214 +266,6 @@ def _warn_unsafe_once(problem: str) -> None:
                        "the network and IPC, and may outlive the trainer.", problem)
 
 
-# -- per-program uids ----------------------------------------------------------------------------------------------
-
-
-def _local_rank() -> int:
-    raw = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise SandboxUnavailableError(f"LOCAL_RANK={raw!r} is not an integer: cannot pick this rank's sandbox "
-                                      "uid range") from None
-    if rank < 0:
-        raise SandboxUnavailableError(f"LOCAL_RANK={rank} is negative: cannot pick this rank's sandbox uid range")
-    return rank
-
-
-@functools.lru_cache(maxsize=1)
-def _lock_dir() -> str:
-    """A root-only folder for the uid lease files (shared by every process of the node)."""
-    base = "/run" if os.path.isdir("/run") and os.access("/run", os.W_OK) else tempfile.gettempdir()
-    path = os.path.join(base, "megatron-cascade-sandbox-uids")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise SandboxUnavailableError(f"{path} (the sandbox's uid lease folder) must be a folder owned by uid "
-                                      f"{os.geteuid()} with mode 0700; remove it and retry")
-    return path
-
-
-class _UidLeases:
-    """Leases uids of this rank's range, one program per uid across every process of the node."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: set[int] = set()
-        self._checked: set[int] = set()
-
-    def acquire(self, uid_base: int, uids_per_rank: int) -> tuple[int, int]:
-        """A free uid of the range ``uid_base + LOCAL_RANK * uids_per_rank ...`` and its lock's fd;
-        waits while all of them are busy."""
-        rank = _local_rank()
-        first = uid_base + rank * uids_per_rank
-        deadline = time.monotonic() + _UID_WAIT_S
-        while True:
-            for uid in range(first, first + uids_per_rank):
-                with self._lock:
-                    if uid in self._held:
-                        continue
-                    self._held.add(uid)
-                fd = self._try_lock(uid, uid_base, rank, uids_per_rank)
-                if fd is not None:
-                    return uid, fd
-                with self._lock:
-                    self._held.discard(uid)
-            if time.monotonic() > deadline:
-                raise SandboxUnavailableError(f"no free sandbox uid in {first}..{first + uids_per_rank - 1} for "
-                                              f"{_UID_WAIT_S:.0f} s: raise uids_per_rank")
-            time.sleep(0.005)
-
-    def release(self, uid: int, fd: int) -> None:
-        os.close(fd)  # drops the flock
-        with self._lock:
-            self._held.discard(uid)
-
-    def _try_lock(self, uid: int, uid_base: int, rank: int, uids_per_rank: int) -> int | None:
-        if uid not in self._checked:
-            try:
-                _check_unused_uid(uid, uid_base, rank, uids_per_rank)
-            except SandboxUnavailableError:
-                with self._lock:
-                    self._held.discard(uid)
-                raise
-            self._checked.add(uid)
-        fd = os.open(os.path.join(_lock_dir(), str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            os.close(fd)
-            return None
-
-
-def _check_unused_uid(uid: int, uid_base: int, rank: int, uids_per_rank: int) -> None:
-    """Refuse a uid (or equal gid) that the user or group database knows: a real account's files
-    and processes would be the program's."""
-    where = (f"sandbox uid {uid} (uid_base {uid_base} + LOCAL_RANK {rank} x uids_per_rank {uids_per_rank} + "
-             "slot)")
-    for db, lookup in (("user", lambda: pwd.getpwuid(uid).pw_name), ("group", lambda: grp.getgrgid(uid).gr_name)):
-        try:
-            name = lookup()
-        except KeyError:
-            continue
-        raise SandboxUnavailableError(f"{where} is {db} {name!r} in the {db} database: set the code reward's "
-                                      "kwargs.uid_base to a free range")
-    if uid >= 2**32 - 2:
-        raise SandboxUnavailableError(f"{where} is past the largest uid: lower kwargs.uid_base")
-
-
-_UIDS = _UidLeases()
-
-
-def _kill_tree(proc: subprocess.Popen, isolate: bool, uid: int | None) -> None:
-    """SIGKILL the program's whole tree and wait until it is gone.
-
-    Isolated: the namespace init (the program) and its tree are killed and the launcher is left
-    alive to reap it: the kernel only lets the init finish exiting once every other process of
-    its PID namespace is dead, so the launcher exiting means the namespace is empty. Unsafe: the
-    launcher *is* the program (it exec'd), so its session group goes first. Then the session
-    group is killed (a stuck launcher) and, for a dedicated uid, any process still running as it.
-    """
-    if not isolate:
-        _quiet_killpg(proc.pid)
-    try:
-        victims = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        victims = []
-    for child in victims:
-        _quiet_kill(child.pid)
-    if not _wait_exited(proc.pid, _REAP_TIMEOUT_S):
-        logger.warning("code sandbox: pid %d did not exit %.0f s after SIGKILL of its tree",
-                       proc.pid, _REAP_TIMEOUT_S)
-    _quiet_killpg(proc.pid)
-    if uid is not None:
-        _kill_uid(uid)
-
-
-def _wait_exited(pid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` seconds for child ``pid`` to exit, *without* reaping it.
-
-    Keeping the zombie keeps its pid (= our session/process-group id) from being reused,
-    so a later ``killpg`` cannot hit an unrelated process group.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 0.02)  # short first sleeps: most programs end in ~50 ms
-
-
-def _quiet_kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _quiet_killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _kill_uid(uid: int) -> None:
-    # Dedicated sandbox uids are owned by exactly one pool slot at a time, so anything
-    # still running as that uid after the run is a leftover (e.g. an escaped daemon).
-    for p in psutil.process_iter(["uids"]):
-        uids = p.info.get("uids")
-        if uids is not None and uid in (uids.real, uids.effective):
-            _quiet_kill(p.pid)
-
-
-def _read_capped(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
-
-
-def _runnable_by_anyone(path: str) -> bool:
-    """Whether an unprivileged uid can exec ``path``: every folder on the way o+x, the file o+rx."""
-    real = os.path.realpath(path)
-    if not os.path.isfile(real):
-        return False
-    folders = []
-    head = os.path.dirname(real)
-    while head and head != os.path.dirname(head):
-        folders.append(head)
-        head = os.path.dirname(head)
-    try:
-        if any(not os.stat(d).st_mode & stat.S_IXOTH for d in folders):
-            return False
-        mode = os.stat(real).st_mode
-    except OSError:  # a folder on the way we may not search
-        return False
-    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
-
-
-def program_python() -> str:
-    """The interpreter for sandboxed programs.
-
-    As root the programs run under an unprivileged uid, which cannot exec an interpreter behind a
-    private folder (e.g. a pyenv build under /root, which a virtualenv links to): then the
-    system's python3 is used (programs need only the standard library).
-    """
-    if os.geteuid() != 0 and os.access(sys.executable, os.X_OK):
-        return sys.executable  # the programs run as our own uid
-    if _runnable_by_anyone(sys.executable):
-        return sys.executable
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""):
-        if candidate and _runnable_by_anyone(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise RuntimeError(f"no Python interpreter that an unprivileged user can run (checked {sys.executable} and "
-                       "python3 on PATH): install the system python3 package for the code sandbox")
-
-
 @dataclass
 class CodeSandbox:
     """Runs Python programs in isolation; see the module docstring for the layers.
@@ -715,37 +432,3 @@ class CodeSandbox:
         return SandboxResult(None if timed_out else rc,
                              _read_capped(out_path, limits.max_output_bytes),
                              _read_capped(err_path, limits.max_output_bytes), timed_out, wall)
-
-
-@functools.lru_cache(maxsize=1)
-def _seccomp_hex() -> str:
-    return _sandbox_seccomp.build_filter(platform.machine()).hex()
-
-
-def _rlimits(limits: SandboxLimits, nproc: int | None) -> dict[str, int]:
-    mib = 1 << 20
-    out = {
-        "RLIMIT_CPU": int(limits.timeout_s) + 1,
-        "RLIMIT_AS": limits.process_memory_bytes,
-        "RLIMIT_FSIZE": limits.max_file_mb * mib,
-        "RLIMIT_NOFILE": limits.max_open_files,
-        "RLIMIT_CORE": 0,
-    }
-    if nproc is not None:
-        out["RLIMIT_NPROC"] = nproc
-    return out
-
-
-def _clean_env(workdir: str) -> dict[str, str]:
-    """A fresh environment: nothing of the parent's (tokens, keys) leaks into programs."""
-    return {
-        "PATH": _SAFE_PATH,
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        "PYTHONIOENCODING": "utf-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        # One malloc arena: a thread's own arena reserves 64 MiB of address space, which
-        # RLIMIT_AS (the per-process share of memory_mb) would count as used.
-        "MALLOC_ARENA_MAX": "1",
-    }

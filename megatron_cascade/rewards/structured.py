@@ -88,7 +88,7 @@ def _calls_score(turns: list[str], expected: list) -> float:
     matches first); extra and malformed calls only add to the denominator. ``made``: the calls of
     every model turn, parsed as the environment parsed them (text the model wrote to look like a
     tool response hides none)."""
-    from megatron_cascade.environments.tool_calls import ToolCall, parse_tool_calls
+    from megatron_cascade.rewards.tool_calls import ToolCall, parse_tool_calls
 
     made = [call for turn in turns for call in parse_tool_calls(turn)]
     if not expected:

@@ -3,7 +3,7 @@ TP / SP / PP / EP)."""
 
 from megatron_cascade.rollout.batch import FinishReason, GenerationStats, RolloutBatch, RolloutSample
 from megatron_cascade.rollout.generate import generate
-from megatron_cascade.rollout.packing import PackedRollouts, pack_rollouts
+from megatron_cascade.rollout.rollout_tensors import PackedRollouts, pack_rollouts
 from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 
 __all__ = ["SamplingParams", "KVCacheConfig", "generate", "RolloutBatch", "RolloutSample", "FinishReason",

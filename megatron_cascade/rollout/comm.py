@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_cascade.rollout.groups import ReplicaGroups
+from megatron_cascade.rollout.replica_groups import ReplicaGroups
 from megatron_cascade.rollout.sampling import SampleOutput
 
 

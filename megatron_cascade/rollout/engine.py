@@ -57,7 +57,8 @@ from megatron_cascade.rollout.cuda_graphs import release_cuda_graphs
 from megatron_cascade.rollout.kv_budget import cache_capacity, kv_layout
 from megatron_cascade.rollout.noise import gumbel_noise, sample_key
 from megatron_cascade.rollout.paged_context import PagedContext, build_context, cache_bytes, step_token_multiple
-from megatron_cascade.rollout.params import FLASH_ATTN2_BLOCK_MULTIPLE, KVCacheConfig, SamplingParams
+from megatron_cascade.rollout.attention_support import check_paged_attention
+from megatron_cascade.rollout.params import KVCacheConfig, SamplingParams
 from megatron_cascade.rollout.sampling import sample
 from megatron_cascade.rollout.stage_forward import StageForward
 from megatron_cascade.rollout.stopping import StopCriteria
@@ -123,7 +124,7 @@ class PagedGenerator:
 
     def _build(self, kv_cache: KVCacheConfig) -> None:
         layout = kv_layout(self.forward.gpt, kv_cache.block_size_tokens, self.groups.tp_size)
-        _check_paged_attention(self.device, layout.dtype, kv_cache.block_size_tokens)
+        check_paged_attention(self.device, layout.dtype, kv_cache.block_size_tokens)
         self.layout = layout
         lengths = [len(s.prompt_ids) + b for s, b in zip(self.samples, self.budgets)]
         self.reserve = [layout.blocks_for(n) for n in lengths]
@@ -415,27 +416,6 @@ class PagedGenerator:
             if self.on_finished is not None:
                 self.on_finished(rid, s)
         return finished
-
-
-def _check_paged_attention(device: torch.device, dtype: torch.dtype, block_size_tokens: int) -> None:
-    """Megatron's paged attention needs flash-attn >= 2.7.3 or FA3 (CPU mode installs torch stand-ins),
-    and on GPU 16-bit K/V and, with flash-attn 2, blocks of a multiple of 256 tokens; without them it
-    would fail deep in the first forward (``megatron-cascade doctor CONFIG`` says so before a run)."""
-    from megatron.core.transformer import attention
-
-    if not attention.HAVE_FA3 and (attention.flash_attn_varlen_func is None
-                                   or not attention.is_fa_min_version("2.7.3")):
-        raise RuntimeError("generate() runs Megatron's paged KV cache, which needs flash-attn >= 2.7.3 or "
-                           "flash-attn 3 on GPU (pip install 'flash-attn>=2.7.3'); use_kv_cache=False "
-                           "recomputes instead (slow)")
-    if device.type != "cuda":
-        return
-    if dtype == torch.float32:
-        raise RuntimeError("flash-attn's paged kernels take bf16/fp16 K/V only: set model.precision=bf16 to generate "
-                           "on GPU")
-    if not attention.HAVE_FA3 and block_size_tokens % FLASH_ATTN2_BLOCK_MULTIPLE:
-        raise RuntimeError(f"rollout.kv_block_size_tokens={block_size_tokens}: flash-attn 2's paged kernels need a "
-                           f"multiple of {FLASH_ATTN2_BLOCK_MULTIPLE} tokens (flash-attn 3 takes any)")
 
 
 def _join_graph_match(ep_group) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.rollout.groups import ReplicaGroups, replica_groups
+from megatron_cascade.rollout.replica_groups import ReplicaGroups, replica_groups
 from megatron_cascade.rollout.params import KVCacheConfig
 
 

@@ -59,7 +59,7 @@ class StepRunner:
     """Runs generation steps for one ``PaddedBatch`` on this rank's pipeline stage."""
 
     def __init__(self, model: torch.nn.Module, batch: PaddedBatch, use_kv_cache: bool) -> None:
-        from megatron_cascade.rollout.groups import replica_groups
+        from megatron_cascade.rollout.replica_groups import replica_groups
 
         self.model = model
         self.gpt = unwrap_model(model)

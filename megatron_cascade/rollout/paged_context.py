@@ -19,7 +19,7 @@ import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
 from megatron_cascade.rollout.block_allocator import SharedBlockAllocator, full_blocks
-from megatron_cascade.rollout.groups import ReplicaGroups
+from megatron_cascade.rollout.replica_groups import ReplicaGroups
 from megatron_cascade.rollout.kv_budget import KVLayout
 
 

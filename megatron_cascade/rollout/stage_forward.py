@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.rollout.comm import pack, unpack
-from megatron_cascade.rollout.groups import replica_groups
+from megatron_cascade.rollout.replica_groups import replica_groups
 from megatron_cascade.rollout.model_runner import unwrap_model
 from megatron_cascade.rollout.sampling import SampleOutput
 

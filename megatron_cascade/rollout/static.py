@@ -78,7 +78,7 @@ class _ExpertLockstep:
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Optional["_ExpertLockstep"]:
         """The lockstep of ``model``'s EP group, or None without expert parallelism."""
-        from megatron_cascade.rollout.groups import replica_groups
+        from megatron_cascade.rollout.replica_groups import replica_groups
         from megatron_cascade.rollout.model_runner import unwrap_model
 
         group = replica_groups(unwrap_model(model)).ep

@@ -1,9 +1,10 @@
 """Stage types (sft, grpo, mopd, distill): the per-type part of a cascade stage.
 
-Only the registry is imported here (cheap: the config loader uses it); the classes are imported
-when a stage runs (``stage_class``).
+The declarations live with the config (``config/stage_types.py``: the loader and the dry run read
+them); the classes are imported when a stage runs (``stage_class``).
 """
 
-from megatron_cascade.stages.registry import STAGE_TYPES, StageTypeEntry, stage_class, stage_type
+from megatron_cascade.config.stage_types import STAGE_TYPES, StageTypeEntry, stage_type
+from megatron_cascade.stages.registry import stage_class
 
 __all__ = ["STAGE_TYPES", "StageTypeEntry", "stage_class", "stage_type"]

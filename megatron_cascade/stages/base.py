@@ -9,15 +9,42 @@ once (reference models, teachers, rewards) and how a step's batch is made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from megatron_cascade.stages.registry import StageTypeEntry, stage_type
+from megatron_cascade.config.stage_types import StageTypeEntry, stage_type
 
-if TYPE_CHECKING:  # the runner imports this module
-    from megatron_cascade.config.schema import DomainConfig
-    from megatron_cascade.cascade.data import Example
-    from megatron_cascade.cascade.stage import StageRunner
-    from megatron_cascade.training import LossSpec, TrainBatch
+if TYPE_CHECKING:
+    from megatron_cascade.config.schema import DomainConfig, ResolvedStage, RunConfig
+    from megatron_cascade.rollout.replica_groups import GenerationReplica
+    from megatron_cascade.stages.prompt_data import Example
+    from megatron_cascade.tokenizers.base import Tokenizer
+    from megatron_cascade.training import LossSpec, Policy, TrainBatch
+
+
+class StageRunnerView(Protocol):
+    """What a stage type reads of the runner that drives it (``cascade/stage.py``'s ``StageRunner``,
+    which sits above this package: stages never import it)."""
+
+    stage: "ResolvedStage"
+    cfg: "RunConfig"
+    tok: "Tokenizer"
+    spec: "LossSpec"  # the stage's loss (``StageType.loss_spec``)
+    index: int  # the stage's position in the cascade
+    dp_rank: int
+    dp_group: object  # the data-parallel process group
+    policy: "Policy"
+
+    def teacher_paths(self) -> dict[str, str]:
+        """MOPD: each domain's teacher weights folder."""
+
+    def my_share(self, step: int, round: int = 0) -> list["Example"]:
+        """This data-parallel rank's prompts of ``step`` (dynamic sampling: of its ``round``)."""
+
+    def generation_replica(self) -> "GenerationReplica":
+        """The model that generates this step (the policy, or its decode copy refit to this step's weights)."""
+
+    def generation_done(self) -> None:
+        """Generation of this step has ended (a decode copy releases its memory)."""
 
 
 @dataclass
@@ -49,7 +76,7 @@ class StageType:
     needs_response: ClassVar[bool] = False
     runs_episodes: ClassVar[bool] = True
 
-    def __init__(self, runner: "StageRunner") -> None:
+    def __init__(self, runner: StageRunnerView) -> None:
         self.runner = runner
         self.entry: StageTypeEntry = stage_type(runner.stage.type)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from megatron_cascade.algorithms import group_advantages
-from megatron_cascade.cascade.batches import rollout_batch
-from megatron_cascade.cascade.groups import GroupRound
+from megatron_cascade.stages.step_batches import rollout_batch
+from megatron_cascade.stages.group_filter import GroupRound
 from megatron_cascade.stages.rollout import RolloutStage
 from megatron_cascade.training import TrainBatch, forward_logprobs
 from megatron_cascade.training.policy import build_frozen_model

@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from megatron_cascade.cascade.batches import rollout_batch
-from megatron_cascade.cascade.groups import GroupRound
-from megatron_cascade.cascade.teachers import TeacherPool, teacher_logprobs
+from megatron_cascade.stages.step_batches import rollout_batch
+from megatron_cascade.stages.group_filter import GroupRound
+from megatron_cascade.stages.teachers import TeacherPool, teacher_logprobs
 from megatron_cascade.stages.rollout import RolloutStage
 from megatron_cascade.training import TrainBatch
 from megatron_cascade.training.step import logprob_pass_options

@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_cascade.algorithms import apply_overlong_policy, informative_groups
-from megatron_cascade.cascade.data import Example
-from megatron_cascade.cascade.groups import GroupRound, merge_groups, select_groups
-from megatron_cascade.cascade.scoring import RolloutScorer, build_domain_rewards, check_error_fraction
+from megatron_cascade.stages.prompt_data import Example
+from megatron_cascade.stages.group_filter import GroupRound, merge_groups, select_groups
+from megatron_cascade.stages.rollout_scoring import RolloutScorer, build_domain_rewards, check_error_fraction
 from megatron_cascade.environments.runner import run_episodes
 from megatron_cascade.environments.settings import domain_episode_settings, episode_scores
 from megatron_cascade.rollout import KVCacheConfig, RolloutBatch, SamplingParams
 from megatron_cascade.rollout.batch import GenerationStats
-from megatron_cascade.rollout.groups import GenerationReplica, model_parallel_source
+from megatron_cascade.rollout.replica_groups import GenerationReplica, model_parallel_source
 from megatron_cascade.rollout.meeting import meet_after_generation
 from megatron_cascade.stages.base import StageType, StepBatch
 

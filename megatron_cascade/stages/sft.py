@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_cascade.cascade.batches import sft_batch
+from megatron_cascade.stages.step_batches import sft_batch
 from megatron_cascade.stages.base import StageType, StepBatch
 from megatron_cascade.training import LossSpec
 

@@ -1,7 +1,7 @@
 """A check, on CPU, that code meant to run on a GPU too creates no tensor on the default device.
 
-The torch stand-ins for CUDA-extension kernels (``rollout/cpu_paged_attention.py``,
-``rollout/cpu_paged_mamba.py``, ``ops/mamba_reference.py``) also serve a CUDA machine that has only
+The torch stand-ins for CUDA-extension kernels (``ops/paged_attention_reference.py``,
+``ops/mamba_tensor_ops.py``, ``ops/mamba_reference.py``) also serve a CUDA machine that has only
 torch (``megatron_cascade/torch_kernels.py``). There a factory call without ``device=`` makes a CPU
 tensor beside CUDA ones, and the first op mixing them fails; on CPU every tensor is on the one device,
 so the tests cannot see it. ``factories_name_their_device(modules)`` makes them see it: a factory call

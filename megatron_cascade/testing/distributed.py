@@ -53,7 +53,7 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: tuple, kwargs: dict, res
         MASTER_PORT=str(spec.port),
     )
     try:
-        from megatron_cascade.cpu_runtime import silence_cpu_warnings
+        from megatron_cascade.run_logging import silence_cpu_warnings
 
         silence_cpu_warnings()
         import torch

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_cascade.tokenizers.base import Tokenizer
 from megatron_cascade.tokenizers.char import CharTokenizer
-from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
+from megatron_cascade.config.template_args import chat_template_kwargs_problem
 
 _BUILTINS = {"builtin:char": CharTokenizer}
 

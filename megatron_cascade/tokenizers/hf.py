@@ -6,7 +6,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_cascade.tokenizers.base import Message, vocabulary_fingerprint
-from megatron_cascade.tokenizers.template_args import chat_template_kwargs_problem
+from megatron_cascade.config.template_args import chat_template_kwargs_problem
 
 
 class HFTokenizer:

@@ -1,14 +1,12 @@
-"""The training batch: padded token tensors aligned so that position t predicts token t+1."""
+"""The training batch: padded token tensors aligned so that position t predicts token t+1, and the
+layout of a packed row (``PackedLayout``; ``packing.py`` builds it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from megatron_cascade.training.packing import PackedLayout
 
 
 @dataclass
@@ -189,3 +187,81 @@ def _pad(batch: TrainBatch, name: str, extra: int, dim: int) -> Optional[torch.T
     shape[dim] = extra
     fill = True if name == "padding_mask" else 0
     return torch.cat([value, torch.full(shape, fill, dtype=value.dtype, device=value.device)], dim=dim)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the sequences of one packed row lie, and which of its positions this CP rank holds.
+
+    Attributes:
+        sequences: the packed sequences as rows of the source batch, [n, L] (L = the longest
+            sequence's length): what the loss is computed on.
+        source_rows: [n] int64 row of each sequence in the source batch.
+        lengths: [n] int64 tokens of each sequence (up to its last loss position).
+        cu_seqlens: [m + 1] int32 starts of the m segments (the n sequences, then the tail padding
+            segment when there is one) in the whole row, by their real lengths.
+        cu_seqlens_padded: [m + 1] int32 the same by padded lengths (multiples of 2 x CP): where
+            each segment lies in the row.
+        positions: [T / CP] int64 the row positions this context-parallel rank holds (all of them
+            without CP), in the order the rank holds them.
+        position_ids: [T / CP] int64 each held position's offset inside its segment (RoPE / learned
+            position embeddings restart per sequence).
+        cp_size: context-parallel ranks the row is split over.
+    """
+
+    sequences: TrainBatch
+    source_rows: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    positions: torch.Tensor
+    position_ids: torch.Tensor
+    cp_size: int = 1
+
+    @property
+    def row_length(self) -> int:
+        """Tokens of the whole row (all CP ranks), padding included."""
+        return int(self.cu_seqlens_padded[-1])
+
+    @property
+    def segment_lengths(self) -> list[int]:
+        """Padded tokens of each segment of the row (its sequences, then the tail padding)."""
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).tolist()
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest padded segment (tokens): Megatron's rotary table length for the row."""
+        return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max())
+
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` of the row (qkv_format "thd"; ``cu_seqlens`` of the whole
+        row: Megatron and Transformer Engine divide them by CP themselves)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cp_group = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, cp_group=cp_group,
+        )
+
+    def unpack(self, row_values: torch.Tensor) -> torch.Tensor:
+        """[n, L] per-sequence values from [T] values of the whole row (differentiable; 0 after each
+        sequence's end)."""
+        steps = torch.arange(self.sequences.seq_length, device=row_values.device)
+        starts = self.cu_seqlens_padded[:-1][: self.lengths.numel()].to(row_values.device, torch.long)
+        index = starts.unsqueeze(1) + steps.unsqueeze(0)
+        valid = steps.unsqueeze(0) < self.lengths.to(row_values.device).unsqueeze(1)
+        picked = row_values[index.clamp(max=row_values.numel() - 1)]
+        return torch.where(valid, picked, torch.zeros_like(picked))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "PackedLayout":
+        """The layout with its tensors on ``device`` (``cu_seqlens`` go where attention runs)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, sequences=self.sequences.to(device), cu_seqlens=move(self.cu_seqlens),
+                       cu_seqlens_padded=move(self.cu_seqlens_padded), positions=move(self.positions),
+                       position_ids=move(self.position_ids))

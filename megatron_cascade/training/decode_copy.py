@@ -30,7 +30,7 @@ from megatron_cascade.config.model import DecodeParallelConfig
 from megatron_cascade.model import build_model, resolve_layout
 from megatron_cascade.model.parallel import Layout, build_decode_process_groups
 from megatron_cascade.rollout.cuda_graphs import graph_decode_steps_only
-from megatron_cascade.rollout.groups import GenerationReplica
+from megatron_cascade.rollout.replica_groups import GenerationReplica
 from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
 from megatron_cascade.training.reshard_patches import patch_resharding, tag_tp_parts
 

@@ -8,8 +8,8 @@ import re
 import pytest
 from cascade_fixtures import run_cli, write_short_config
 
-from megatron_cascade.cascade.data import DataError, load_examples
-from megatron_cascade.cascade.teachers import TOKENIZER_FINGERPRINT_FILE, VocabularyMismatch, check_teacher_vocabulary
+from megatron_cascade.stages.prompt_data import DataError, load_examples
+from megatron_cascade.stages.teachers import TOKENIZER_FINGERPRINT_FILE, VocabularyMismatch, check_teacher_vocabulary
 from megatron_cascade.config import ConfigError, ModelConfig, load_config
 from megatron_cascade.tokenizers import build_tokenizer
 

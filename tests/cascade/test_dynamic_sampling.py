@@ -82,8 +82,8 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path):
 
 
 def _round(informative: list[bool], tag: int, G: int = 2):
-    from megatron_cascade.cascade.data import Example
-    from megatron_cascade.cascade.groups import GroupRound
+    from megatron_cascade.stages.prompt_data import Example
+    from megatron_cascade.stages.group_filter import GroupRound
     from megatron_cascade.rollout import RolloutBatch, RolloutSample, SamplingParams
 
     P = len(informative)
@@ -96,7 +96,7 @@ def _round(informative: list[bool], tag: int, G: int = 2):
 
 
 def test_select_and_merge_groups():
-    from megatron_cascade.cascade.groups import merge_groups, select_groups
+    from megatron_cascade.stages.group_filter import merge_groups, select_groups
 
     rounds = [_round([True, False, False], 0), _round([False, True, True], 1)]
     assert select_groups(rounds, 3, informative_first=False) == [(0, 0), (0, 1), (0, 2)]

@@ -22,7 +22,7 @@ def _by_row(response: str, sample: dict) -> float:
 
 
 def _worker(samples: int):
-    from megatron_cascade.cascade.data import Example
+    from megatron_cascade.stages.prompt_data import Example
     from megatron_cascade.cascade.evaluation import evaluate_detailed
     from megatron_cascade.config.schema import DomainConfig, EvalConfig, RewardSpec, RolloutConfig
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel

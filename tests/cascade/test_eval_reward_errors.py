@@ -20,7 +20,7 @@ def _one_or_outage(response: str, sample: dict) -> float:
 
 
 def _worker():
-    from megatron_cascade.cascade.data import Example
+    from megatron_cascade.stages.prompt_data import Example
     from megatron_cascade.cascade.evaluation import evaluate
     from megatron_cascade.config.schema import DomainConfig, EvalConfig, RewardSpec, RolloutConfig
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel

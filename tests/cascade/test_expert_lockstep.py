@@ -55,7 +55,7 @@ def _save_teachers(parallel: ParallelConfig, tmp: str) -> None:
 def _teacher_worker(parallel: ParallelConfig, tmp: str, init: bool):
     from megatron.core import parallel_state as ps
 
-    from megatron_cascade.cascade.teachers import TeacherPool, teacher_logprobs
+    from megatron_cascade.stages.teachers import TeacherPool, teacher_logprobs
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import LossSpec
 
@@ -94,7 +94,7 @@ def _first_char_score(response: str, sample: dict) -> float:
 
 
 def _eval_worker(parallel: ParallelConfig, tmp: str, init: bool):
-    from megatron_cascade.cascade.data import Example
+    from megatron_cascade.stages.prompt_data import Example
     from megatron_cascade.cascade.evaluation import evaluate
     from megatron_cascade.config.schema import DomainConfig, EvalConfig, RolloutConfig, RewardSpec
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
@@ -125,7 +125,7 @@ def test_evaluation_with_a_rank_without_prompts(tmp_path):
 def _packed_teacher_worker(tmp: str):
     """The teacher pass as a MOPD stage with ``training.sequence_packing`` runs it: packed rows (seen
     by a counter on the packed path), the padded pass's log-probs on every loss token."""
-    from megatron_cascade.cascade.teachers import TeacherPool, teacher_logprobs
+    from megatron_cascade.stages.teachers import TeacherPool, teacher_logprobs
     from megatron_cascade.config.training import TrainingConfig
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import LossSpec, step

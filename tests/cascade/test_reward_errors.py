@@ -115,7 +115,7 @@ def test_failed_reward_leaves_the_loss_and_the_group_statistics(tmp_path):
 
 
 def _outage_worker(tmp: str):
-    from megatron_cascade.cascade.scoring import RewardErrorRateExceeded
+    from megatron_cascade.stages.rollout_scoring import RewardErrorRateExceeded
 
     runner = _runner(tmp, 0.5, _always_failing)
     before = [p.detach().clone() for p in runner.policy.module.parameters()]
@@ -146,7 +146,7 @@ def _fails_on_rank_0(response: str, sample: dict) -> float:
 
 
 def _one_rank_outage_worker(tmp: str):
-    from megatron_cascade.cascade.scoring import RewardErrorRateExceeded
+    from megatron_cascade.stages.rollout_scoring import RewardErrorRateExceeded
 
     runner = _runner(tmp, 0.4, _fails_on_rank_0)
     try:

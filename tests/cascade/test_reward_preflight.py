@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_cascade.cascade.scoring import build_domain_rewards
+from megatron_cascade.stages.rollout_scoring import build_domain_rewards
 from megatron_cascade.config.schema import DomainConfig, RewardSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_cascade.algorithms import apply_overlong_policy
-from megatron_cascade.cascade.data import Example
-from megatron_cascade.cascade.groups import GroupRound
+from megatron_cascade.stages.prompt_data import Example
+from megatron_cascade.stages.group_filter import GroupRound
 from megatron_cascade.cascade.step_metrics import rollout_metrics
 from megatron_cascade.rollout import RolloutBatch, RolloutSample, SamplingParams
-from megatron_cascade.stages.registry import stage_type
+from megatron_cascade.config.stage_types import stage_type
 from megatron_cascade.stages.rollout import RolloutStage
 
 

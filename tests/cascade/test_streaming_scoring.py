@@ -89,7 +89,7 @@ def _timed_length_reward(response: str, sample: dict) -> float:
 
 
 def _scorer_worker(parallel: ParallelConfig):
-    from megatron_cascade.cascade.scoring import RolloutScorer, score_responses
+    from megatron_cascade.stages.rollout_scoring import RolloutScorer, score_responses
     from megatron_cascade.config.schema import DomainConfig, RewardSpec
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel
     from megatron_cascade.rollout import SamplingParams, generate

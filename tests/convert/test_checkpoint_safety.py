@@ -136,7 +136,7 @@ def test_convert_refuses_a_hostile_file(tmp_path, legit, command, poison):
 
 def _load_worker(cases: list[tuple[str, str, str]]) -> dict[str, str]:
     """{case: error text} after each load ``(case, kind, path)``; kind: init | teacher | resume."""
-    from megatron_cascade.cascade.teachers import TeacherPool
+    from megatron_cascade.stages.teachers import TeacherPool
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
     from megatron_cascade.training.checkpoint import load_training_checkpoint

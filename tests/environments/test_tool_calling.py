@@ -12,7 +12,7 @@ from megatron_cascade.config.schema import DomainConfig, EnvironmentSpec
 from megatron_cascade.environments import build_environment
 from megatron_cascade.environments.chat import tool_turn_ids
 from megatron_cascade.environments.settings import domain_episode_settings
-from megatron_cascade.environments.tool_calls import BadToolCall, ToolCall, parse_tool_calls
+from megatron_cascade.rewards.tool_calls import BadToolCall, ToolCall, parse_tool_calls
 from megatron_cascade.environments.tools import calculator
 from megatron_cascade.rewards import get_reward
 from megatron_cascade.rewards.registry import EPISODE_RECORD

@@ -23,7 +23,7 @@ def _stand_ins_name_their_device():
     """The stand-ins also run on a GPU machine without the CUDA kernels (``torch_kernels.py``): no
     tensor of theirs may land on the default device (on a GPU: a CPU tensor beside CUDA ones)."""
     with factories_name_their_device(["megatron_cascade.ops.mamba_reference",
-                                      "megatron_cascade.rollout.cpu_paged_mamba"]):
+                                      "megatron_cascade.ops.mamba_tensor_ops"]):
         yield
 
 

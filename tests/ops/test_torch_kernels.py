@@ -19,11 +19,11 @@ from megatron.core.transformer import attention
 from megatron.core.ssm import mamba_block, mamba_mixer
 from megatron_cascade.model.cpu_spec import SequenceParallelNorm
 from megatron_cascade.ops import mamba_reference
-from megatron_cascade.rollout import cpu_paged_attention
+from megatron_cascade.ops import paged_attention_reference
 print("RESULT" + json.dumps({
     "replaced": replaced,
-    "paged": attention.flash_attn_varlen_func is cpu_paged_attention.flash_attn_varlen_func
-             and attention.flash_attn_with_kvcache is cpu_paged_attention.flash_attn_with_kvcache
+    "paged": attention.flash_attn_varlen_func is paged_attention_reference.flash_attn_varlen_func
+             and attention.flash_attn_with_kvcache is paged_attention_reference.flash_attn_with_kvcache
              and attention.is_fa_min_version("2.7.3"),
     "mamba": mamba_mixer.HAVE_MAMBA_SSM and mamba_mixer.mamba_chunk_scan_combined is mamba_reference.mamba_chunk_scan_combined,
     "final_norm": mamba_block.TENorm is SequenceParallelNorm,

@@ -185,7 +185,7 @@ def test_bad_kwargs_fail_when_the_reward_is_built(kwargs, key):
 # -- in the rollout scorer --------------------------------------------------------------------------------
 
 def _scorer_worker(url: str):
-    from megatron_cascade.cascade.scoring import RolloutScorer
+    from megatron_cascade.stages.rollout_scoring import RolloutScorer
     from megatron_cascade.config import ParallelConfig
     from megatron_cascade.config.schema import DomainConfig, RewardSpec
     from megatron_cascade.model import initialize_model_parallel

@@ -56,7 +56,7 @@ CASES = [  # response text, what each parser scores with the math verifier (gold
 def _scorer_worker():
     import torch
 
-    from megatron_cascade.cascade.scoring import RolloutScorer, score_responses
+    from megatron_cascade.stages.rollout_scoring import RolloutScorer, score_responses
     from megatron_cascade.config import ParallelConfig
     from megatron_cascade.config.schema import DomainConfig, RewardSpec
     from megatron_cascade.model import initialize_model_parallel

@@ -115,7 +115,7 @@ def test_a_rows_unknown_tool_and_a_forged_episode_record_are_refused_when_the_da
     read by the reward as the record."""
     import pytest
 
-    from megatron_cascade.cascade.data import DataError, load_examples
+    from megatron_cascade.stages.prompt_data import DataError, load_examples
     from megatron_cascade.config.schema import DomainConfig, EnvironmentSpec
     from megatron_cascade.environments.settings import domain_row_check
 
@@ -185,7 +185,7 @@ def test_a_fake_tool_response_does_not_move_the_final_answer():
 def test_duplicate_json_keys_are_not_json_to_a_verifier():
     """Before: {"answer": "wrong", "answer": "right"} read as its last value (what a grader sees
     differs from what a reader sees); tool calls and IFEval's json_format took it too."""
-    from megatron_cascade.environments.tool_calls import BadToolCall, parse_tool_calls
+    from megatron_cascade.rewards.tool_calls import BadToolCall, parse_tool_calls
     from megatron_cascade.rewards.ifeval import check_instruction
 
     schema = {"schema": {"type": "object", "properties": {"answer": {"const": "right"}}, "required": ["answer"]}}

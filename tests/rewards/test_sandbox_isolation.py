@@ -393,7 +393,7 @@ def test_uid_of_a_real_user_is_refused(box):
 
 def test_a_uid_held_by_another_process_is_not_reused(box, no_leftovers):
     """Two processes of one rank (e.g. reward workers) lease uids through flock, not a local counter."""
-    from megatron_cascade.rewards.sandbox import _lock_dir
+    from megatron_cascade.rewards.sandbox_processes import _lock_dir
 
     first = box.run(Program("import os; print(os.getuid())")).stdout.strip()
     fd = os.open(os.path.join(_lock_dir(), first), os.O_RDWR | os.O_CREAT, 0o600)

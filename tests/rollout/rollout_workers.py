@@ -71,7 +71,7 @@ def _stage_trainer_check(model, batch, params: SamplingParams) -> dict:
     ``rollout_batch`` packing, ``token_logprobs`` — vs the log-probs of the distribution sampled from."""
     from megatron.core import parallel_state as ps
 
-    from megatron_cascade.cascade.batches import rollout_batch
+    from megatron_cascade.stages.step_batches import rollout_batch
     from megatron_cascade.stages.sampling_spec import rollout_loss_spec
     from megatron_cascade.config import LossConfig, OptimizerConfig, TrainingConfig
     from megatron_cascade.config.schema import ResolvedStage, RolloutConfig

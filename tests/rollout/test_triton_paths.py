@@ -27,7 +27,7 @@ def _megatron_triton_paths() -> dict:
     from megatron.core.inference.contexts import dynamic_context
     from megatron.core.ssm import mamba_mixer
 
-    from megatron_cascade.rollout.cpu_paged_mamba import TENSOR_OPS
+    from megatron_cascade.ops.mamba_tensor_ops import TENSOR_OPS
 
     return {"kv_append": dynamic_context.triton_append_key_value_cache,
             "mamba_tensor_ops": {name: getattr(mamba_mixer, name) is fn for name, fn in TENSOR_OPS.items()}}

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_cascade.cascade.data import DataError, load_examples
+from megatron_cascade.stages.prompt_data import DataError, load_examples
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.cascade.resume_check import check_resume
 from megatron_cascade.config import ConfigError, load_config, to_yaml

@@ -20,7 +20,7 @@ import torch
 from megatron_cascade.config import ParallelConfig
 from megatron_cascade.config.training import LossConfig, OptimizerConfig, TrainingConfig
 from megatron_cascade.testing import run_distributed
-from megatron_cascade.training.context_parallel import cp_row_positions, zigzag_positions
+from megatron_cascade.ops.zigzag import cp_row_positions, zigzag_positions
 
 from test_packing import MODEL, SPANS, VOCAB, make_batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cascade.cascade.data import Example
+from megatron_cascade.stages.prompt_data import Example
 from megatron_cascade.rollout import RolloutBatch, pack_rollouts
 from megatron_cascade.training import TrainBatch
 

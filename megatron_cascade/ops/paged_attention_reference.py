@@ -1,4 +1,4 @@
-"""Torch stand-ins for the flash-attention paged-KV kernels, for CPU mode only.
+"""Torch stand-ins for the flash-attention paged-KV kernels (CPU mode; GPU nodes without flash-attn).
 
 Megatron-Core's dynamic inference path (``Attention.flash_decode_and_prefill`` under a
 ``DynamicInferenceContext``) calls flash-attn's ``flash_attn_varlen_func(..., block_table=)`` for

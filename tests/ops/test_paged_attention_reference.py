@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_cascade.rollout.cpu_paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache
+from megatron_cascade.ops.paged_attention_reference import flash_attn_varlen_func, flash_attn_with_kvcache
 from megatron_cascade.testing.device_naming import factories_name_their_device
 
 
@@ -14,7 +14,7 @@ from megatron_cascade.testing.device_naming import factories_name_their_device
 def _stand_ins_name_their_device():
     """The stand-ins also run on a GPU machine without the CUDA kernels (``torch_kernels.py``): no
     tensor of theirs may land on the default device (on a GPU: a CPU tensor beside CUDA ones)."""
-    with factories_name_their_device(["megatron_cascade.rollout.cpu_paged_attention"]):
+    with factories_name_their_device(["megatron_cascade.ops.paged_attention_reference"]):
         yield
 
 
@@ -80,26 +80,3 @@ def test_mixed_prefill_and_decode_match_contiguous_attention():
     for r, (a, b) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
         torch.testing.assert_close(out[a:b], _reference(q[a:b], keys[r], values[r]), atol=1e-5, rtol=1e-5)
     assert (out[sum(q_lengths):] == 0).all()
-
-
-def test_gpu_generation_refuses_fp32_and_flash_attn2_block_sizes_before_the_first_forward(monkeypatch):
-    """On a CUDA device flash-attn's paged kernels take 16-bit K/V in blocks of a multiple of 256
-    tokens (flash-attn 2); the engine refuses before the first forward, naming the key. The check
-    itself touches no device, so it runs here with the CPU stand-ins in place of flash-attn."""
-    import pytest
-    from megatron.core.transformer import attention
-
-    from megatron_cascade.rollout.engine import _check_paged_attention
-
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", flash_attn_varlen_func)  # flash-attn 2.7.3 installed
-    monkeypatch.setattr(attention, "is_fa_min_version", lambda version, *args, **kwargs: True)
-    monkeypatch.setattr(attention, "HAVE_FA3", False)
-    cuda = torch.device("cuda")
-    with pytest.raises(RuntimeError, match="model.precision=bf16"):
-        _check_paged_attention(cuda, torch.float32, 256)
-    with pytest.raises(RuntimeError, match="rollout.kv_block_size_tokens=64"):
-        _check_paged_attention(cuda, torch.bfloat16, 64)
-    _check_paged_attention(cuda, torch.bfloat16, 512)
-    _check_paged_attention(torch.device("cpu"), torch.float32, 16)  # the CPU stand-ins take any
-    monkeypatch.setattr(attention, "HAVE_FA3", True)
-    _check_paged_attention(cuda, torch.bfloat16, 64)  # flash-attn 3 pages any block size

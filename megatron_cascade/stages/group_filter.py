@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.cascade.data import Example
+from megatron_cascade.stages.prompt_data import Example
 from megatron_cascade.rollout import RolloutBatch
 
 

@@ -32,7 +32,7 @@ from megatron_cascade.rewards.sandbox import SandboxUnavailableError
 from megatron_cascade.rewards.registry import EPISODE_RECORD, is_group_reward, score_group
 from megatron_cascade.rewards.scoring import ScoringPool, finalize_outcomes
 from megatron_cascade.rollout import RolloutSample
-from megatron_cascade.rollout.groups import model_parallel_source
+from megatron_cascade.rollout.replica_groups import model_parallel_source
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Torch stand-ins for what Mamba layers call under Megatron's dynamic (paged) inference context,
-for CPU mode only.
+for CPU mode and GPU nodes without the mamba_ssm kernels (``torch_kernels.py``).
 
 ``MambaMixer._dynamic_inference`` (megatron-core 0.16.1) splits a packed step into decode and
 prefill requests and moves rows between them with three Triton tensor ops
@@ -7,7 +7,7 @@ prefill requests and moves rows between them with three Triton tensor ops
 the context's state buffers, which ``causal_conv1d_update`` / ``selective_state_update`` (decode)
 and ``causal_conv1d_varlen_states`` / ``mamba_chunk_scan_combined(return_varlen_states=True)``
 (prefill) read and write by slot index. ``install()`` (called by ``enable_cpu_mode``) routes the
-mixer to torch versions: same signatures and results (up to float rounding), never used on a GPU.
+mixer to torch versions: same signatures and results (up to float rounding).
 """
 
 from __future__ import annotations
