@@ -4,7 +4,7 @@ moe_slice      the Qwen3-30B-A3B recipe's model (``examples/nemotron_cascade2/06
                128 experts top-8, qk_layernorm, full recompute, distributed optimizer with overlapped
                grad reduce and param gather; grouped GEMM when TE imports) cut to 4 layers on one GPU,
                a training step timed at each of ``--slice-seqs`` tokens, its peak memory set against
-               the dry run's formula for the same shape (``cascade/plan.py``). A sequence the formula
+               the dry run's formula for the same shape (``cascade/plan/``). A sequence the formula
                says does not fit this GPU is SKIPped with the planned figure (so is the local spec's
                unfused [heads, s, s] attention at 32K). FAIL: a measured peak above the plan by more
                than ``PLAN_MARGIN`` (the recipe is planned up to 77.7 of 80 GiB per GPU: the plan must
