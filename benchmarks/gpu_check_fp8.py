@@ -19,7 +19,10 @@ import math
 import os
 import tempfile
 from dataclasses import replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from gpu_check import Result
 
 FP8_CHECKS = ("fp8_step", "fp8_resume", "fp8_reference", "fp8_generation")
 # Mean |log-prob| gap per loss token between the FP8 policy and its bf16-GEMM frozen copy above which
@@ -27,7 +30,7 @@ FP8_CHECKS = ("fp8_step", "fp8_resume", "fp8_reference", "fp8_generation")
 REFERENCE_GAP = 0.1
 
 
-def run_fp8_checks(args: argparse.Namespace, guard, fp8_format: Optional[str] = "hybrid") -> list:
+def run_fp8_checks(args: argparse.Namespace, guard, fp8_format: Optional[str] = "hybrid") -> list["Result"]:
     """The four checks in order (``guard(name, fn)`` runs one and reports it); SKIPs without TE.
     ``fp8_format=None`` runs the same code without FP8 (how the CPU tests drive it, TE absent)."""
     from gpu_check import Result, te_version
@@ -53,7 +56,7 @@ def run_fp8_checks(args: argparse.Namespace, guard, fp8_format: Optional[str] = 
     return results
 
 
-def check_fp8_step(policy, args: argparse.Namespace):
+def check_fp8_step(policy, args: argparse.Namespace) -> "Result":
     from gpu_check import Result, timed_steps
 
     figures = timed_steps(policy, args)
@@ -72,7 +75,7 @@ def _logprobs(chunks, args: argparse.Namespace):
     return forward_logprobs(chunks, batch, spec, micro_batch_size=max(1, args.batch // 2)).float().cpu(), batch
 
 
-def check_fp8_resume(policy, cfg, args: argparse.Namespace, root: str, saved: dict):
+def check_fp8_resume(policy, cfg, args: argparse.Namespace, root: str, saved: dict) -> "Result":
     from gpu_check import LR, Result
 
     from megatron_cascade.config.model import ParallelConfig
@@ -93,7 +96,7 @@ def check_fp8_resume(policy, cfg, args: argparse.Namespace, root: str, saved: di
     return Result("fp8_resume", "PASS" if ok else "FAIL", detail, {"max_logprob_diff": diff})
 
 
-def check_fp8_reference(policy, cfg, args: argparse.Namespace, saved: dict):
+def check_fp8_reference(policy, cfg, args: argparse.Namespace, saved: dict) -> "Result":
     from gpu_check import Result
 
     from megatron_cascade.config.model import ParallelConfig
@@ -116,7 +119,7 @@ def check_fp8_reference(policy, cfg, args: argparse.Namespace, saved: dict):
                   f"(tolerance {REFERENCE_GAP})", {"mean_logprob_gap": mean, "max_logprob_gap": worst})
 
 
-def check_fp8_generation(policy, args: argparse.Namespace):
+def check_fp8_generation(policy, args: argparse.Namespace) -> "Result":
     from gpu_check import check_generation
 
     result = check_generation(policy, args)

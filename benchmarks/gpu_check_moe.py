@@ -26,6 +26,10 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_check import Result
 
 REPO = Path(__file__).resolve().parents[1]
 MOE_RECIPE = REPO / "examples" / "nemotron_cascade2" / "06_code_rl.yaml"
@@ -108,12 +112,12 @@ def _one_sequence(vocab: int, seq: int):
     return TrainBatch(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask)
 
 
-def check_moe_slice(args: argparse.Namespace, transformer_engine: bool) -> "object":
+def check_moe_slice(args: argparse.Namespace, transformer_engine: bool) -> "Result":
     cfg = moe_slice_config(args, transformer_engine)
     return check_slice("moe_slice", "Qwen3-30B-A3B", cfg, args.slice_seqs, hold_to_plan=True)
 
 
-def check_hybrid_slice(args: argparse.Namespace, transformer_engine: bool) -> "object":
+def check_hybrid_slice(args: argparse.Namespace, transformer_engine: bool) -> "Result":
     from megatron.core.ssm import mamba_mixer
 
     cfg = hybrid_slice_config(args, transformer_engine)
@@ -123,7 +127,7 @@ def check_hybrid_slice(args: argparse.Namespace, transformer_engine: bool) -> "o
     return check_slice("hybrid_slice", "Nemotron-3-Nano", cfg, args.slice_seqs, hold_to_plan=real_kernels)
 
 
-def check_slice(name: str, what: str, cfg, seqs: list[int], hold_to_plan: bool) -> "object":
+def check_slice(name: str, what: str, cfg, seqs: list[int], hold_to_plan: bool) -> "Result":
     """Build ``cfg``'s policy, time one training step per sequence length, set each peak against the plan."""
     import torch
 
@@ -203,7 +207,7 @@ def write_cpu_moe_checkpoint(args: argparse.Namespace, out_dir: str) -> None:
     torch.save({"tokens": tokens, "logits": logits.float()}, os.path.join(out_dir, "moe_reference.pt"))
 
 
-def check_moe_checkpoint(args: argparse.Namespace, ref_dir: str, transformer_engine: bool) -> "object":
+def check_moe_checkpoint(args: argparse.Namespace, ref_dir: str, transformer_engine: bool) -> "Result":
     import torch
 
     from gpu_check import Result, _device
