@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -140,7 +141,26 @@ def _patch_megatron() -> None:
     _patch_grad_clipping()
     _patch_optimizer_type_checks()
     _patch_paged_attention()
+    _quiet_rng_fork_notice()
     torch_kernels.install_mamba(local_final_norm=True)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def _quiet_rng_fork_notice() -> None:
+    """The RNG tracker's ``fork()`` logs "CPU RNG state changed within GPU RNG context" when the CPU
+    generator moved inside it. In CPU mode the "CUDA" generator *is* the CPU one (the tracker saves
+    and restores it around the block), so every initialisation inside a fork (the Mamba mixer's conv
+    and dt/A init) would log it: expected here, and nothing is lost."""
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        _DropMessage("CPU RNG state changed within GPU RNG context"))
 
 
 def _patch_paged_attention() -> None:

@@ -13,7 +13,6 @@ refuses to start without flash-attn (``megatron-cascade doctor CONFIG`` says so 
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 import types
 
@@ -57,24 +56,6 @@ def _sharded_gated_norm_class():
     return ExtendedRMSNorm
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != self.message
-
-
-def _quiet_rng_fork_notice() -> None:
-    """The RNG tracker's ``fork()`` logs "CPU RNG state changed within GPU RNG context" when the CPU
-    generator moved inside it. In CPU mode the "CUDA" generator *is* the CPU one (the tracker saves
-    and restores it around the block), so every initialisation inside a fork (the Mamba mixer's conv
-    and dt/A init) would log it: expected here, and nothing is lost."""
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
-        _DropMessage("CPU RNG state changed within GPU RNG context"))
-
-
 def install_mamba(*, local_final_norm: bool) -> None:
     """Make megatron-core's ``MambaMixer`` / ``MambaStack`` run without the CUDA-only packages (idempotent).
 
@@ -90,7 +71,6 @@ def install_mamba(*, local_final_norm: bool) -> None:
       marks its weight for the SP gradient all-reduce).
     """
     _stub_triton_tensor_ops()
-    _quiet_rng_fork_notice()
     from megatron.core.ssm import mamba_block, mamba_mixer
 
     from megatron_cascade.model.cpu_spec import SequenceParallelNorm
