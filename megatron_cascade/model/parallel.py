@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -10,14 +13,34 @@ from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConf
 
 
 def transformer_engine_available() -> bool:
-    """Whether Transformer Engine imports and a CUDA device is present (FP8, TE specs)."""
+    """Whether Transformer Engine's PyTorch side imports and a CUDA device is present (FP8, TE specs).
+
+    ``import transformer_engine`` succeeds when only its core library is there; what Megatron-Core
+    uses is ``transformer_engine.pytorch`` and its compiled extension, which a build against another
+    torch (or CUDA) leaves unloadable. Such a TE counts as absent, with a warning naming the error
+    (``megatron-cascade doctor`` shows it too)."""
     if not torch.cuda.is_available():
         return False
+    return _transformer_engine_pytorch_problem() is None
+
+
+@functools.cache
+def _transformer_engine_pytorch_problem() -> Optional[str]:
+    """Why ``transformer_engine.pytorch`` does not import here (None: it does; "absent": not installed)."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "absent"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken extension raises ImportError, OSError, RuntimeError, ...
+        problem = f"{type(exc).__name__}: {exc}"
+        logging.getLogger(__name__).warning(
+            "Transformer Engine is installed but transformer_engine.pytorch does not import (%s): the local "
+            "layer spec runs instead (slower, no FP8); rebuild TE against this torch (scripts/install_gpu.sh "
+            "--build) or run `megatron-cascade doctor`", problem)
+        return problem
+    return None
 
 
 @dataclass(frozen=True)
