@@ -4,7 +4,8 @@
                                    [--slice-seqs N [N ...] --moe-set KEY=VALUE --hybrid-set KEY=VALUE]
     (or benchmarks/gpu_check.sh, which bounds it to 8 minutes)
 
-Checks, most informative first, each printed as PASS / FAIL / SKIP with its figures:
+Checks, most informative first, each printed as PASS / FAIL / SKIP with its figures (cpu_writer: the
+CPU-side checkpoints the next checks load, written by a process without CUDA; if it fails they SKIP):
   moe_slice       the Qwen3-30B-A3B recipe's model cut to 4 layers (128 experts top-8, qk_layernorm, full
                   recompute, distributed optimizer with overlaps; grouped GEMM when TE): a training step
                   timed at 8K and 32K tokens, its peak memory against the dry run's formula for the same
@@ -138,6 +139,14 @@ def write_cpu_checkpoint(args: argparse.Namespace, out_dir: str) -> None:
         shutdown_distributed()
 
 
+def check_cpu_writer(args: argparse.Namespace, out_dir: str) -> Result:
+    """The CPU side of the checkpoint checks, as its own result (its failure SKIPs only those)."""
+    start = time.perf_counter()
+    run_cpu_writer(args, out_dir)
+    return Result("cpu_writer", "PASS", "dense and MoE checkpoints written on CPU (local spec, fp32)",
+                  {"seconds": time.perf_counter() - start})
+
+
 def run_cpu_writer(args: argparse.Namespace, out_dir: str) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -249,9 +258,15 @@ def timed_steps(policy, args: argparse.Namespace) -> dict:
 
 
 def check_bf16_step(policy, loaded, init, args: argparse.Namespace) -> Result:
+    """Timed bf16 steps; with ``loaded`` (the weights cpu_checkpoint put in), that they train from those
+    weights (the fp32 masters were reloaded) rather than snap back to ``init``."""
     import math
 
     figures = timed_steps(policy, args)
+    if loaded is None:
+        ok = math.isfinite(figures["loss"])
+        return Result("bf16_step", "PASS" if ok else "FAIL", "no loaded checkpoint: the masters reload is not checked",
+                      figures)
     after = flat_weights(policy)
     # Small lr and few steps: the weights move a little from the loaded ones. Had the masters kept
     # the build-time init, the first step would copy it back: distance to the loaded weights ~ O(1).
@@ -576,7 +591,6 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
         return result
 
     with tempfile.TemporaryDirectory() as ref_dir:
-        run_cpu_writer(args, ref_dir)
         init_distributed()
         try:
             # The graph-safe RNG tracker: megatron-core's graph managers (decode_cuda_graphs) refuse others.
@@ -584,12 +598,22 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
             te = te_version() is not None
             results.append(guard("moe_slice", lambda: gpu_check_moe.check_moe_slice(args, te)))
             results.append(guard("hybrid_slice", lambda: gpu_check_moe.check_hybrid_slice(args, te)))
-            results.append(guard("moe_checkpoint", lambda: gpu_check_moe.check_moe_checkpoint(args, ref_dir, te)))
+            results.append(guard("cpu_writer", lambda: check_cpu_writer(args, ref_dir)))
+            written = results[-1].status == "PASS"
+
+            def from_reference(name: str, check) -> Result:
+                """A check of the CPU-written checkpoints: SKIP without them."""
+                if written:
+                    return guard(name, check)
+                return guard(name, lambda: Result(name, "SKIP", "no CPU-written checkpoint (cpu_writer failed)"))
+
+            results.append(from_reference("moe_checkpoint",
+                                          lambda: gpu_check_moe.check_moe_checkpoint(args, ref_dir, te)))
             policy = build_policy(model_config(args, "bf16"), ParallelConfig(), OptimizerConfig(lr=LR),
                                   total_steps=args.steps + 2)
             init = flat_weights(policy)
-            results.append(guard("cpu_checkpoint", lambda: check_cpu_checkpoint(policy, ref_dir)))
-            loaded = flat_weights(policy)
+            results.append(from_reference("cpu_checkpoint", lambda: check_cpu_checkpoint(policy, ref_dir)))
+            loaded = flat_weights(policy) if results[-1].status == "PASS" else None
             results.append(guard("bf16_step", lambda: check_bf16_step(policy, loaded, init, args)))
             results.append(guard("optimizer_resume", lambda: check_optimizer_resume(policy, args)))
             results.append(guard("fused_logprob_head", lambda: check_fused_logprob_head(policy, args)))

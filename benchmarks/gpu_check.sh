@@ -1,5 +1,6 @@
 #!/bin/bash
-# GPU check on ONE GPU, bounded to 8 + 3 minutes: a 4-layer slice of the Qwen3-30B-A3B recipe's MoE
+# GPU check on ONE GPU, bounded to 7.5 minutes in all (doctor 45 s, main checks 300 s, hybrid 75 s,
+# 10 s grace each; GPU_CHECK_*_LIMIT_S change them): a 4-layer slice of the Qwen3-30B-A3B recipe's MoE
 # model trained at 8K and 32K tokens (peak memory vs the dry run's plan), a CPU-written MoE checkpoint
 # into grouped experts, a Transformer Engine spec model (local spec when TE is absent), a CPU-written
 # checkpoint loaded into it, bf16 steps after the load (fp32 masters reloaded), an optimizer resume,
@@ -23,8 +24,9 @@ if [[ -n ${VENV:-} ]]; then
     PYTHON=${PYTHON:-$VENV/bin/python}
 fi
 PYTHON=${PYTHON:-python3}
-LIMIT_S=${GPU_CHECK_LIMIT_S:-480}
-HYBRID_LIMIT_S=${GPU_CHECK_HYBRID_LIMIT_S:-180}
+LIMIT_S=${GPU_CHECK_LIMIT_S:-300}
+HYBRID_LIMIT_S=${GPU_CHECK_HYBRID_LIMIT_S:-75}
+DOCTOR_LIMIT_S=${GPU_CHECK_DOCTOR_LIMIT_S:-45}
 
 command -v "$PYTHON" >/dev/null || { echo "gpu_check.sh: $PYTHON not found (set PYTHON or VENV)" >&2; exit 2; }
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -36,12 +38,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 # Preflight: versions, GPUs and which GPU-path packages import (informational; never fails the check).
-timeout 180 "$PYTHON" -m megatron_cascade.cli doctor || true
+timeout "$DOCTOR_LIMIT_S" "$PYTHON" -m megatron_cascade.cli doctor || true
 status=0
-timeout --signal=TERM --kill-after=20 "$LIMIT_S" "$PYTHON" "$HERE/gpu_check.py" "$@" || status=$?
+timeout --signal=TERM --kill-after=10 "$LIMIT_S" "$PYTHON" "$HERE/gpu_check.py" "$@" || status=$?
 # The hybrid (Mamba-2) model: TE mamba_stack_spec and mamba_ssm kernels vs the CPU-written weights,
 # cached SSM state in generation (SKIPs its TE/mamba_ssm parts where they do not import).
 hybrid=0
-timeout --signal=TERM --kill-after=20 "$HYBRID_LIMIT_S" "$PYTHON" "$HERE/gpu_check_hybrid.py" || hybrid=$?
+timeout --signal=TERM --kill-after=10 "$HYBRID_LIMIT_S" "$PYTHON" "$HERE/gpu_check_hybrid.py" || hybrid=$?
 if (( status == 0 )); then status=$hybrid; fi
 exit "$status"

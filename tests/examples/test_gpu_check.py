@@ -92,7 +92,7 @@ def test_checks_run_on_cpu_with_a_tiny_model(tmp_path):
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
     printed = [x.split()[1] for x in res.stdout.splitlines() if x.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])]
     assert printed == list(results), res.stdout[-3000:]  # one line per check, in order
-    for name in ("moe_slice", "hybrid_slice", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "fused_logprob_head", "packed_step", "generation", "decode_copy",
+    for name in ("moe_slice", "hybrid_slice", "cpu_writer", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "fused_logprob_head", "packed_step", "generation", "decode_copy",
                  "decode_cuda_graphs", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     for name in ("fp8_step", "fp8_resume", "fp8_reference", "fp8_generation"):  # Transformer Engine only
@@ -150,3 +150,37 @@ def test_fp8_checks_code_runs_without_fp8_on_cpu():
     assert all(r["status"] == "PASS" for r in results.values()), results
     assert results["fp8_resume"]["figures"]["max_logprob_diff"] == 0.0
     assert results["fp8_reference"]["figures"]["max_logprob_gap"] == 0.0
+
+
+_WRITER_FAILS = """
+import json, sys
+sys.path.insert(0, {bench!r})
+import gpu_check, gpu_check_fp8, gpu_check_moe
+def broken_writer(args, out_dir):
+    raise RuntimeError("CPU checkpoint writer failed (1): no space left on device")
+gpu_check.run_cpu_writer = broken_writer
+skip = lambda name: (lambda *a, **k: gpu_check.Result(name, "SKIP", "not this test"))
+gpu_check_moe.check_moe_slice, gpu_check_moe.check_hybrid_slice = skip("moe_slice"), skip("hybrid_slice")
+gpu_check_fp8.run_fp8_checks = lambda args, guard: []
+gpu_check.check_nemotron_h_conversion = skip("nemotron_h_te")
+args = gpu_check.build_parser().parse_args({argv!r})
+results = gpu_check.run_checks(args)
+print("RESULTS" + json.dumps([vars(r) for r in results]))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU drive of the checks")
+def test_a_failing_cpu_writer_skips_only_the_checks_of_its_checkpoints():
+    """Before, the CPU writer ran outside every check's guard: its failure ended the whole run with
+    nothing reported. Now it is a result of its own and only the two checkpoint loads SKIP."""
+    code = _WRITER_FAILS.format(bench=str(BENCH), argv=TINY)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULTS")), None)
+    assert line is not None, res.stdout[-3000:] + res.stderr[-3000:]
+    results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
+    assert results["cpu_writer"]["status"] == "FAIL" and "no space left" in results["cpu_writer"]["detail"]
+    assert results["moe_checkpoint"]["status"] == results["cpu_checkpoint"]["status"] == "SKIP"
+    for name in ("bf16_step", "optimizer_resume", "generation", "decode_copy"):
+        assert results[name]["status"] == "PASS", results[name]
+    assert "masters reload is not checked" in results["bf16_step"]["detail"]
