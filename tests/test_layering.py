@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_cascade"
 # Bottom to top. A new package goes where its imports put it (and docs/architecture.md says why).
 LAYERS: list[tuple[str, ...]] = [
     ("config",),  # the run's schema, its validation and declarative registries: imports nothing of ours
-    ("ops", "algorithms", "checkpoint_safety", "tokenizers", "rewards", "run_logging"),  # pure math, parsers, verifiers
+    ("ops", "algorithms", "checkpoint_safety", "tokenizers", "rewards", "run_logging",
+     "models"),  # pure math, parsers, verifiers; each HF model family's mapping
     ("model",),  # Megatron-Core models, layouts, weight checkpoints
     ("torch_kernels",),  # torch stand-ins for CUDA-extension kernels
     ("cpu_runtime",),  # Megatron-Core on CPU

@@ -6,7 +6,7 @@ distributed checkpoints with ``model_config.json``, loadable with
 ``megatron_cascade.model.load_model_weights`` at any TP/PP/EP layout.
 """
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_config import hf_config_from_model, model_config_from_hf
 from megatron_cascade.convert.hf_to_megatron import hf_to_megatron
 from megatron_cascade.convert.inspect import CheckpointSummary, format_summary, inspect_checkpoint

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Callable
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 _LAYOUT_HELP = ("validated against the model config only: a distributed checkpoint loads at any "
                 "TP/PP/EP layout, so nothing is resliced")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_cascade.config.model import ModelConfig, ParallelConfig
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 
 @dataclass(frozen=True)

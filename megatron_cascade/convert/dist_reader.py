@@ -16,7 +16,7 @@ import torch
 
 from megatron_cascade.checkpoint_safety import UnsafeCheckpointError, read_dcp_metadata
 from megatron_cascade.convert.dist_writer import METADATA_FILE, Piece, Placement, piece_state_key, pieces_of
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
 from megatron_cascade.model.spec_layout import legacy_key
 

@@ -23,7 +23,7 @@ import torch
 
 from megatron_cascade.checkpoint_safety import read_dcp_metadata
 from megatron_cascade.config.model import ModelConfig
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
 from megatron_cascade.model.checkpoint import MODEL_CONFIG_FILE, architecture_of
 

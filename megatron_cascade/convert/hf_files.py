@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 CONFIG_FILE = "config.json"
 # Copied verbatim when present (tokenizers of Llama 3 / Qwen: tokenizer.json; older: vocab + merges).

@@ -6,9 +6,7 @@ import os
 
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.dist_writer import DistCheckpointWriter
-from megatron_cascade.convert.errors import ConversionError
-from megatron_cascade.convert.families import Family, all_hf_names, check_family_supported, global_names, layer_names
-from megatron_cascade.convert.hf_config import TORCH_DTYPES, hf_precision, model_config_from_hf
+from megatron_cascade.convert.hf_config import TORCH_DTYPES, model_config_from_hf
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files, read_hf_config
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
@@ -17,6 +15,9 @@ from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import write_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_megatron
 from megatron_cascade.model.checkpoint import write_file_record
+from megatron_cascade.models.errors import ConversionError
+from megatron_cascade.models.family import ModelFamily
+from megatron_cascade.models.hf_keys import hf_precision
 
 # Tensors HF checkpoints may carry that the model recomputes (ignored on import).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,21 +45,21 @@ def hf_to_megatron(
     config, config_path = read_hf_config(hf_dir)
     family, model = model_config_from_hf(config, config_path, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                          precision=precision)
-    check_family_supported(family, model)
+    family.check_supported(model)
     validate_layout(model, tp, pp, ep)
     weights = SafetensorsReader(hf_dir)
     _check_names(weights, family, model, hf_dir)
     with megatron_runtime():
         skeleton = build_skeleton(model)
         writer = DistCheckpointWriter(out_dir, skeleton, model, TORCH_DTYPES[model.precision])
-        for meg, hf in resolve_spec_names(global_names(family, model), skeleton.tensors).items():
+        for meg, hf in resolve_spec_names(family.global_names(model), skeleton.tensors).items():
             writer.write(_convert({meg: hf}, weights, model))
         for layer in range(model.num_layers):
-            writer.write(_convert(resolve_spec_names(layer_names(family, model, layer), skeleton.tensors), weights,
+            writer.write(_convert(resolve_spec_names(family.layer_names(model, layer), skeleton.tensors), weights,
                                   model))
         writer.finish()
     copy_side_files(hf_dir, os.path.join(out_dir, HF_SUBDIR), include_config=True)
-    write_source_dtypes(weights, all_hf_names(family, model), TORCH_DTYPES[hf_precision(config, config_path)],
+    write_source_dtypes(weights, family.all_hf_names(model), TORCH_DTYPES[hf_precision(config, config_path)],
                         TORCH_DTYPES[model.precision], out_dir)
     write_file_record(out_dir)  # every load verifies each byte against it
     return model
@@ -68,8 +69,8 @@ def _convert(names: dict[str, str], weights: SafetensorsReader, model: ModelConf
     return {meg: to_megatron(meg, [weights.get(h) for h in hf.split("+")], model) for meg, hf in names.items()}
 
 
-def _check_names(weights: SafetensorsReader, family: Family, model: ModelConfig, hf_dir: str) -> None:
-    expected = all_hf_names(family, model)
+def _check_names(weights: SafetensorsReader, family: ModelFamily, model: ModelConfig, hf_dir: str) -> None:
+    expected = family.all_hf_names(model)
     present = {n for n in weights.tensors if not n.endswith(_IGNORED_SUFFIXES)}
     if model.tie_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints still store it

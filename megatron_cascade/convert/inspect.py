@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_cascade.convert.dist_reader import read_dist_metadata
 from megatron_cascade.convert.dist_writer import METADATA_FILE
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_config import model_config_from_hf
 from megatron_cascade.convert.hf_files import CONFIG_FILE, read_hf_config
 from megatron_cascade.convert.safetensors_io import DTYPES, SafetensorsReader

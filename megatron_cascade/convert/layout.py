@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_cascade.config.model import ConfigError, ModelConfig, validate_hybrid_layout
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 
 def validate_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> None:

@@ -12,10 +12,6 @@ import torch
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.convert.dist_reader import DistCheckpointReader
 from megatron_cascade.convert.dist_writer import ensure_empty_dir
-from megatron_cascade.convert.errors import ConversionError
-from megatron_cascade.convert.families import (
-    check_family_supported, family_by_architecture, family_of_model, global_names, layer_names,
-)
 from megatron_cascade.convert.hf_config import TORCH_DTYPES, hf_config_from_model
 from megatron_cascade.convert.hf_files import HF_SUBDIR, CONFIG_FILE, copy_side_files, write_hf_config
 from megatron_cascade.convert.runtime import build_skeleton, megatron_runtime
@@ -24,6 +20,8 @@ from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import DtypeRecord, read_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_hf
 from megatron_cascade.model.checkpoint import CheckpointError, check_file_record, read_model_config
+from megatron_cascade.models.errors import ConversionError
+from megatron_cascade.models.registry import family_by_architecture, family_of_model
 
 
 def load_model_config(ckpt_dir: str) -> ModelConfig:
@@ -64,7 +62,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max
     model = load_model_config(ckpt_dir)
     template = _source_hf_config(ckpt_dir)
     family = family_by_architecture(template["architectures"][0], CONFIG_FILE) if template else family_of_model(model)
-    check_family_supported(family, model)
+    family.check_supported(model)
     ensure_empty_dir(out_dir)
     with megatron_runtime():
         reader = DistCheckpointReader(ckpt_dir, build_skeleton(model))
@@ -73,10 +71,10 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, dtype: str | None = None, max
         dtypes = _DtypeRule(TORCH_DTYPES[dtype] if dtype else None, read_source_dtypes(ckpt_dir))
         writer = ShardedSafetensorsWriter(out_dir, parse_size(max_shard_size))
         tensors = reader.skeleton.tensors
-        for meg, hf in resolve_spec_names(global_names(family, model), tensors).items():
+        for meg, hf in resolve_spec_names(family.global_names(model), tensors).items():
             _export({meg: hf}, reader, writer, model, dtypes)
         for layer in range(model.num_layers):
-            _export(resolve_spec_names(layer_names(family, model, layer), tensors), reader, writer, model, dtypes)
+            _export(resolve_spec_names(family.layer_names(model, layer), tensors), reader, writer, model, dtypes)
         writer.finish()
     precision = {v: k for k, v in TORCH_DTYPES.items()}[target]
     write_hf_config(out_dir, hf_config_from_model(model, family, template, precision))

@@ -23,7 +23,7 @@ from typing import Any
 from megatron_cascade.config.model import ModelConfig, MoEConfig
 from megatron_cascade.convert.dist_copy import copy_dist_checkpoint
 from megatron_cascade.convert.dist_reader import read_dist_metadata
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.model.checkpoint import write_file_record

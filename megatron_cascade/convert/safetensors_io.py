@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -1,6 +1,6 @@
 """Local-spec module names -> the names of whichever layer spec built the model.
 
-The family maps (``families``, ``nemotron_h_names``) name tensors as the local (CPU) spec's modules
+The model families (``models/<family>/``) name tensors as the local (CPU) spec's modules
 have them. A model built with the Transformer Engine spec (on GPU) holds some of them elsewhere: a
 layer's pre-norm fused into the next linear (``TELayerNormColumnParallelLinear.layer_norm_weight``),
 and the experts of a grouped-GEMM MoE as ``experts.linear_fc1.weight<e>``. The same HF tensor then

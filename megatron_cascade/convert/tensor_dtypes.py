@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_files import HF_SUBDIR
 from megatron_cascade.convert.safetensors_io import DTYPE_NAMES, DTYPES, SafetensorsReader
 

@@ -1,4 +1,5 @@
 """Tiny random Hugging Face models of each family, and the worker functions the conversion tests run.
+A new family (``megatron_cascade/models/<family>/``) joins every conversion test by its line in ``FAMILIES``.
 
 Every model: hidden 64, 2 layers, vocab 200 (padded to 256: padding is exercised), GQA 4/2,
 all parameters randomised (norm weights around 1, biases non-zero) so that any mix-up shows.
@@ -23,7 +24,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                        norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 TOKENIZER_FILES = {"tokenizer_config.json": {"model_max_length": 128}, "tokenizer.json": {"version": "1.0"}}
 
 

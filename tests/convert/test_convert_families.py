@@ -1,4 +1,4 @@
-"""HF <-> Megatron conversion of tiny random Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE models.
+"""HF <-> Megatron conversion of tiny random Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE / Mixtral models.
 
 One single-process worker converts every family (HF -> Megatron -> HF) and computes HF and TP=1
 Megatron logits; one two-process worker computes TP=2 (dense) / EP=2 (MoE) logits and re-loads a
@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from convert_fixtures import FAMILIES, TOKENIZER_FILES, convert_all_worker, export_worker, parallel_worker
+from convert_fixtures import FAMILIES, MOE_FAMILIES, TOKENIZER_FILES, convert_all_worker, export_worker, parallel_worker
 
 from megatron_cascade.convert.safetensors_io import INDEX_FILE, SafetensorsReader
 from megatron_cascade.testing import run_distributed
@@ -41,7 +41,7 @@ def test_hf_logits_equal_megatron_tp2_or_ep2(converted, family):
         torch.testing.assert_close(rank[family]["parallel"], single[family]["hf"], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MOE_FAMILIES])
 def test_checkpoint_saved_at_tp2_loads_at_tp1(converted, family):
     _, _, ranks = converted
     for rank in ranks:

@@ -8,7 +8,7 @@ import torch
 
 from megatron_cascade.config import ModelConfig
 from megatron_cascade.convert import ConversionError, hf_config_from_model, model_config_from_hf, validate_layout
-from megatron_cascade.convert.families import QWEN3
+from megatron_cascade.models.qwen3 import FAMILY as QWEN3
 from megatron_cascade.convert.safetensors_io import INDEX_FILE, SafetensorsReader, ShardedSafetensorsWriter
 from megatron_cascade.convert.tensor_maps import pack_qkv, pad_vocab, strip_vocab, unpack_qkv
 

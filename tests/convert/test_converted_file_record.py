@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.testing import run_distributed
 from tests.convert.convert_fixtures import make_hf_model
 

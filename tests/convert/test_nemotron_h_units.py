@@ -6,8 +6,7 @@ import pytest
 
 from megatron_cascade.convert import ConversionError, model_config_from_hf, validate_layout
 from megatron_cascade.convert.hf_config import hf_config_from_model
-from megatron_cascade.convert.families import NEMOTRON_H
-from megatron_cascade.convert.nemotron_h_names import nemotron_h_layer_names
+from megatron_cascade.models.nemotron_h import FAMILY as NEMOTRON_H
 from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.model.builder import validate_model_config
 
@@ -100,12 +99,12 @@ def test_norms_and_experts_map_to_the_transformer_engine_specs_names():
     }
     resolved = {}
     for layer in (0, 1, 5):
-        resolved.update(resolve_spec_names(nemotron_h_layer_names(cfg, layer), te_names))
+        resolved.update(resolve_spec_names(NEMOTRON_H.layer_names(cfg, layer), te_names))
     assert resolved["decoder.layers.0.mixer.in_proj.layer_norm_weight"] == "backbone.layers.0.norm.weight"
     assert resolved["decoder.layers.1.pre_mlp_layernorm.weight"] == "backbone.layers.1.norm.weight"
     expert = resolved["decoder.layers.1.mlp.experts.linear_fc1.weight7"]
     assert expert == "backbone.layers.1.mixer.experts.7.up_proj.weight"
     assert resolved["decoder.layers.5.self_attention.linear_qkv.layer_norm_weight"] == "backbone.layers.5.norm.weight"
     # names the model has stay as they are (the local spec)
-    local = resolve_spec_names(nemotron_h_layer_names(cfg, 0), {"decoder.layers.0.norm.weight"})
+    local = resolve_spec_names(NEMOTRON_H.layer_names(cfg, 0), {"decoder.layers.0.norm.weight"})
     assert local["decoder.layers.0.norm.weight"] == "backbone.layers.0.norm.weight"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_files import copy_directory_files, copy_side_files
 
 

@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 from megatron_cascade.config.model import HybridConfig, ModelConfig, MoEConfig
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 _BLOCK_TO_SYMBOL = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
                     "moe": "E"}
@@ -77,7 +77,7 @@ def _refuse_unsupported(hf: dict[str, Any], source: str) -> None:
                                   "convert a model without it or extend megatron_cascade.model first")
 
 
-def nemotron_h_model_config(hf: dict[str, Any], source: str, *, make_vocab_size_divisible_by: int,
+def model_config(hf: dict[str, Any], source: str, *, make_vocab_size_divisible_by: int,
                             precision: str) -> ModelConfig:
     """The ``ModelConfig`` (architecture hybrid) of a nemotron_h HF config read from ``source``."""
     _refuse_unsupported(hf, source)
@@ -136,7 +136,7 @@ def nemotron_h_model_config(hf: dict[str, Any], source: str, *, make_vocab_size_
     return cfg
 
 
-def nemotron_h_hf_config(model: ModelConfig, template: dict[str, Any] | None) -> dict[str, Any]:
+def hf_config(model: ModelConfig, template: dict[str, Any] | None) -> dict[str, Any]:
     """The nemotron_h HF config dict for ``model``: ``template`` (the config imported from) updated.
 
     Without a template every key the model determines is written, the pattern both as

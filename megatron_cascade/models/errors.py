@@ -1,4 +1,4 @@
-"""The one error type of the conversion tools."""
+"""The one error type of the conversion tools and the model families they ask."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ own key (``in_proj.weight.z`` ...), so each is sharded over TP on its own.
 from __future__ import annotations
 
 from megatron_cascade.config.model import ModelConfig
-from megatron_cascade.convert.errors import ConversionError
+from megatron_cascade.models.errors import ConversionError
 
 _MAMBA_TENSORS = {  # Megatron mixer name -> HF mixer name
     "in_proj.weight": "in_proj.weight", "conv1d.weight": "conv1d.weight", "conv1d.bias": "conv1d.bias",
@@ -33,7 +33,7 @@ def layer_symbol(model: ModelConfig, layer: int) -> str:
     return pattern[layer]
 
 
-def nemotron_h_global_names(model: ModelConfig) -> dict[str, str]:
+def global_names(model: ModelConfig) -> dict[str, str]:
     """Megatron name -> HF name for the embedding, final norm and output layer."""
     names = {
         "embedding.word_embeddings.weight": "backbone.embeddings.weight",
@@ -44,7 +44,7 @@ def nemotron_h_global_names(model: ModelConfig) -> dict[str, str]:
     return names
 
 
-def nemotron_h_layer_names(model: ModelConfig, layer: int) -> dict[str, str]:
+def layer_names(model: ModelConfig, layer: int) -> dict[str, str]:
     """Megatron name -> HF name (``+``-joined for q/k/v) for decoder layer ``layer`` (local-spec names)."""
     m, h = f"decoder.layers.{layer}.", f"backbone.layers.{layer}."
     mixer, norm = h + "mixer.", h + "norm.weight"
@@ -80,7 +80,7 @@ def nemotron_h_layer_names(model: ModelConfig, layer: int) -> dict[str, str]:
     return names
 
 
-def check_nemotron_h_supported(model: ModelConfig) -> None:
+def check_supported(model: ModelConfig) -> None:
     """Raise ``ConversionError`` (naming the key) if ``model`` has features Nemotron-H cannot express."""
     def refuse(what: str) -> None:
         raise ConversionError(f"{what}: not expressible as Hugging Face nemotron_h")
