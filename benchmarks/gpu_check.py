@@ -580,6 +580,7 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
     from megatron_cascade.config.model import ParallelConfig
     from megatron_cascade.config.training import OptimizerConfig
     from megatron_cascade.model import initialize_model_parallel
+    from megatron_cascade.model.parallel import transformer_engine_available
     from megatron_cascade.training import build_policy
 
     results: list[Result] = []
@@ -595,7 +596,8 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
         try:
             # The graph-safe RNG tracker: megatron-core's graph managers (decode_cuda_graphs) refuse others.
             initialize_model_parallel(ParallelConfig(), seed=0, cuda_graphs=True)
-            te = te_version() is not None
+            # What the model builder uses (a TE whose PyTorch extension does not load counts as absent).
+            te = transformer_engine_available()
             results.append(guard("moe_slice", lambda: gpu_check_moe.check_moe_slice(args, te)))
             results.append(guard("hybrid_slice", lambda: gpu_check_moe.check_hybrid_slice(args, te)))
             results.append(guard("cpu_writer", lambda: check_cpu_writer(args, ref_dir)))

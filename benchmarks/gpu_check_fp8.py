@@ -33,10 +33,12 @@ REFERENCE_GAP = 0.1
 def run_fp8_checks(args: argparse.Namespace, guard, fp8_format: Optional[str] = "hybrid") -> list["Result"]:
     """The four checks in order (``guard(name, fn)`` runs one and reports it); SKIPs without TE.
     ``fp8_format=None`` runs the same code without FP8 (how the CPU tests drive it, TE absent)."""
-    from gpu_check import Result, te_version
+    from gpu_check import Result
 
-    if fp8_format is not None and te_version() is None:
-        return [guard(name, lambda name=name: Result(name, "SKIP", "Transformer Engine is not importable"))
+    from megatron_cascade.model.parallel import transformer_engine_available
+
+    if fp8_format is not None and not transformer_engine_available():
+        return [guard(name, lambda name=name: Result(name, "SKIP", "Transformer Engine (PyTorch) does not import"))
                 for name in FP8_CHECKS]
     from gpu_check import LR, model_config, replace_batch_for_fp8
 

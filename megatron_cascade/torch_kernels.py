@@ -16,6 +16,8 @@ import importlib
 import sys
 import types
 
+from megatron_cascade.ops import paged_attention_reference
+
 _REPLACED: list[str] = []  # what enable_torch_kernels() has put in place, in order
 _TRITON_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
 
@@ -92,16 +94,7 @@ def install_mamba(*, local_final_norm: bool) -> None:
 
 def install_paged_attention() -> None:
     """Route Megatron's dynamic-batching attention to the torch stand-ins (idempotent)."""
-    from megatron_cascade.ops.paged_attention_reference import install
-
-    install()
-
-
-def _paged_attention_missing() -> bool:
-    from megatron.core.transformer import attention
-
-    return not attention.HAVE_FA3 and (attention.flash_attn_varlen_func is None
-                                       or not attention.is_fa_min_version("2.7.3"))
+    paged_attention_reference.install()
 
 
 def _transformer_engine_missing() -> bool:
@@ -116,7 +109,7 @@ def enable_torch_kernels() -> list[str]:
     call). Call before building models."""
     from megatron.core.ssm import mamba_mixer
 
-    if _paged_attention_missing():
+    if not paged_attention_reference.paged_kernels_available():
         install_paged_attention()
         _REPLACED.append("flash-attn paged KV attention")
     te_missing = _transformer_engine_missing() and "Transformer Engine's Mamba final norm" not in _REPLACED

@@ -108,6 +108,15 @@ def _merge_heads(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0], tensor.shape[1], -1)
 
 
+def paged_kernels_available() -> bool:
+    """Whether Megatron's dynamic-batching attention has paged KV kernels to call: flash-attn >= 2.7.3
+    or flash-attn 3 (or these stand-ins, once ``install()`` has run)."""
+    from megatron.core.transformer import attention
+
+    return attention.HAVE_FA3 or (attention.flash_attn_varlen_func is not None
+                                  and attention.is_fa_min_version("2.7.3"))
+
+
 def install() -> None:
     """Route Megatron's dynamic-batching attention to the torch stand-ins (idempotent; CPU mode)."""
     global _INSTALLED

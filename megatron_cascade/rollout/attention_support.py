@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_cascade.ops.paged_attention_reference import paged_kernels_available
 from megatron_cascade.rollout.params import FLASH_ATTN2_BLOCK_MULTIPLE
 
 
@@ -13,8 +14,7 @@ def check_paged_attention(device: torch.device, dtype: torch.dtype, block_size_t
     would fail deep in the first forward (``megatron-cascade doctor CONFIG`` says so before a run)."""
     from megatron.core.transformer import attention
 
-    if not attention.HAVE_FA3 and (attention.flash_attn_varlen_func is None
-                                   or not attention.is_fa_min_version("2.7.3")):
+    if not paged_kernels_available():
         raise RuntimeError("generate() runs Megatron's paged KV cache, which needs flash-attn >= 2.7.3 or "
                            "flash-attn 3 on GPU (pip install 'flash-attn>=2.7.3'); use_kv_cache=False "
                            "recomputes instead (slow)")

@@ -68,9 +68,8 @@ class LlamaFamily(ModelFamily):
             self._refuse(source, f"RoPE scaling (rope_scaling type {scaling.get('rope_type', scaling.get('type'))!r})")
         if theta != int(theta):
             self._refuse(source, f"a non-integer rope_theta={theta}")
-        if hf.get("use_sliding_window") or hf.get("sliding_window") and "use_sliding_window" not in hf \
-                or any(t != "full_attention" for t in hf.get("layer_types") or []):
-            self._refuse(source, "sliding-window attention (use_sliding_window / sliding_window / layer_types)")
+        if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+            self._refuse(source, "sliding-window attention (use_sliding_window / layer_types)")
         if hf.get("hidden_act", "silu") != "silu":
             self._refuse(source, f"hidden_act={hf.get('hidden_act')!r} (only silu/SwiGLU)")
         if hf.get("attention_bias") and not self.qkv_bias:

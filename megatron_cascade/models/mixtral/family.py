@@ -4,7 +4,7 @@ expert ``intermediate_size`` wide); the router's softmax over all experts, then 
 which is Megatron's softmax over the top-k logits (``router_pre_softmax: false``).
 
 ``router_jitter_noise`` only acts in Hugging Face training; the weights convert whatever it is. A set
-``sliding_window`` (Mistral-style attention) is refused, as for every Llama-style family.
+``sliding_window`` (Mistral-style attention) is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ class MixtralFamily(LlamaFamily):
     architecture = "MixtralForCausalLM"
     model_type = "mixtral"
     moe = True
+
+    def _refuse_unsupported(self, hf: dict[str, Any], source: str) -> None:
+        super()._refuse_unsupported(hf, source)
+        if hf.get("sliding_window"):  # Mistral-style: a window is used whenever one is set
+            self._refuse(source, f"sliding-window attention (sliding_window={hf['sliding_window']})")
 
     def _moe_config(self, hf: dict[str, Any]) -> Optional[MoEConfig]:
         return MoEConfig(num_experts=int(hf["num_local_experts"]), router_topk=int(hf["num_experts_per_tok"]),
