@@ -21,6 +21,7 @@ import torch
 
 from megatron_cascade.config import ConfigError, RunConfig, load_config
 from megatron_cascade.config.loader import resolve_stage
+from megatron_cascade.models.architectures import megatron_architecture
 from megatron_cascade.rollout.params import FLASH_ATTN2_BLOCK_MULTIPLE
 
 # (distribution names to try, module whose import proves the package usable)
@@ -137,11 +138,10 @@ def config_problems(cfg: RunConfig, env: Environment,
     if gpu and cfg.cluster.transformer_engine and not te:
         problems.append("cluster.transformer_engine=true: the plan assumes Transformer Engine's layer spec, but it "
                         "does not import here (the run would take the local spec); install it or set it to false")
-    if gpu and m.architecture == "hybrid":
-        for name in ("mamba-ssm", "causal-conv1d"):
-            if not env.usable(name):
-                problems.append(f"model.architecture=hybrid: the Mamba layers' GPU kernels need {name} "
-                                f"({_state(env, name)}): pip install --no-build-isolation {name}")
+    for name in megatron_architecture(m).gpu_packages if gpu else ():
+        if not env.usable(name):
+            problems.append(f"model.architecture={m.architecture}: its layers' GPU kernels need {name} "
+                            f"({_state(env, name)}): pip install --no-build-isolation {name}")
     if gpu and _generates(cfg):
         problems += _generation_problems(cfg, env)
     memory = min((g.memory_gib for g in env.gpus), default=None)

@@ -13,7 +13,7 @@ from typing import Optional
 from megatron_cascade.config.rules import Choice, ConfigError, checked, ranged, require
 
 __all__ = [
-    "ConfigError", "Architecture", "HybridConfig", "validate_hybrid_layout", "PositionEmbedding", "Normalization", "Activation", "Precision", "Recompute",
+    "ConfigError", "Architecture", "HybridConfig", "PositionEmbedding", "Normalization", "Activation", "Precision", "Recompute",
     "RouterLoadBalancing", "RouterScoreFunction", "TokenDispatcher", "FP8Format", "FP8Recipe",
     "AmaxComputeAlgo", "MoEConfig", "FP8Config", "ModelConfig", "ParallelConfig",
 ]
@@ -263,24 +263,6 @@ class ModelConfig:
         h = self.hybrid
         heads = h.num_heads(self.hidden_size)
         return 2 * heads * h.mamba_head_dim + 2 * h.mamba_num_groups * h.mamba_state_dim + heads
-
-
-def validate_hybrid_layout(model: ModelConfig, tensor_parallel: int, context_parallel: int,
-                           prefix: str = "parallel.") -> None:
-    """Raise ``ConfigError`` when a hybrid model cannot be split ``tensor_parallel`` ways: every TP rank
-    needs whole Mamba groups and heads (so TP <= ``hybrid.mamba_num_groups``). A no-op for GPT models.
-    ``prefix``: the layout's keys in messages (``rollout.parallel.`` for a decode layout)."""
-    if model.architecture != "hybrid" or "M" not in (model.hybrid.layer_pattern or ""):
-        return
-    groups = model.hybrid.mamba_num_groups
-    heads = model.hybrid.num_heads(model.hidden_size)
-    require(groups % tensor_parallel == 0, f"{prefix}tensor_model_parallel_size={tensor_parallel} does not divide "
-            f"model.hybrid.mamba_num_groups={groups} (each TP rank needs whole Mamba groups: TP <= groups)")
-    require(heads % tensor_parallel == 0, f"{prefix}tensor_model_parallel_size={tensor_parallel} does not divide "
-            f"the Mamba heads ({heads}, model.hybrid.mamba_num_heads)")
-    # Megatron-Core's Mamba context parallelism splits heads over CP ranks with TE-only attention around it.
-    require(context_parallel == 1, f"{prefix}context_parallel_size={context_parallel} is not supported with "
-            "model.architecture=hybrid here (Mamba layers under CP are not tested)")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from megatron_cascade.convert.hf_config import model_config_from_hf
 from megatron_cascade.convert.hf_files import CONFIG_FILE, read_hf_config
 from megatron_cascade.convert.safetensors_io import DTYPES, SafetensorsReader
 from megatron_cascade.model.checkpoint import MODEL_CONFIG_FILE, read_model_config
+from megatron_cascade.models.architectures import ARCHITECTURES
 
 _DTYPE_SIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
@@ -103,13 +104,10 @@ def _inspect_dist(path: str, kind: str) -> CheckpointSummary:
     return CheckpointSummary(kind, path, config, model, error, tensors, total, nbytes)
 
 
-def _hybrid_text(m: dict) -> str:
-    """The layer pattern and Mamba-2 sizes of a hybrid model config (dict), or ''."""
-    if m.get("architecture") != "hybrid":
-        return ""
-    h = m.get("hybrid") or {}
-    return (f" pattern={h.get('layer_pattern')} mamba_heads={h.get('mamba_num_heads')}x{h.get('mamba_head_dim')} "
-            f"state={h.get('mamba_state_dim')} groups={h.get('mamba_num_groups')}")
+def _architecture_text(m: dict) -> str:
+    """The architecture's own sizes (a hybrid model's pattern and Mamba-2 sizes) of a saved model config."""
+    architecture = ARCHITECTURES.get(str(m.get("architecture")))
+    return architecture.describe(m) if architecture is not None else ""
 
 
 def format_summary(summary: CheckpointSummary, *, show_tensors: bool = True) -> str:
@@ -126,7 +124,7 @@ def format_summary(summary: CheckpointSummary, *, show_tensors: bool = True) -> 
             + (f" experts={moe['num_experts']} top{moe['router_topk']}" if moe.get("num_experts") else "")
             + (f" shared_expert={moe['shared_expert_intermediate_size']}"
                if moe.get("shared_expert_intermediate_size") else "")
-            + _hybrid_text(m)
+            + _architecture_text(m)
         )
     if summary.model_config_error:
         lines.append(f"model config: not convertible: {summary.model_config_error}")

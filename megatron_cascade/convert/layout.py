@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, validate_hybrid_layout
+from megatron_cascade.config.model import ConfigError, ModelConfig
+from megatron_cascade.models.architectures import megatron_architecture
 from megatron_cascade.models.errors import ConversionError
 
 
@@ -21,10 +22,16 @@ def validate_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -
         ("--tp", tp, "padded vocab size", model.padded_vocab_size),
         ("--pp", pp, "num_layers", model.num_layers),
     ]
-    if model.architecture == "hybrid":
-        _validate_hybrid(model, tp, groups)
-    else:
+    architecture = megatron_architecture(model)
+    try:
+        architecture.validate_layout(model, tp, 1)
+    except ConfigError as exc:
+        raise ConversionError(f"--tp={tp}: {exc}") from None
+    if not architecture.kv_heads_replicate:
         checks.insert(1, ("--tp", tp, "num_query_groups (key/value heads)", groups))
+    elif groups % tp and tp % groups:
+        raise ConversionError(f"--tp={tp} is neither a divisor nor a multiple of the model's num_query_groups "
+                              f"(key/value heads)={groups}; pick another --tp")
     if ep > 1 and not model.moe.num_experts:
         raise ConversionError(f"--ep={ep} needs an MoE model; this model is dense (use --ep 1)")
     if model.moe.num_experts:
@@ -33,14 +40,3 @@ def validate_layout(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -
         if value % size:
             raise ConversionError(f"{flag}={size} does not divide the model's {what}={value}; pick another {flag}")
 
-
-def _validate_hybrid(model: ModelConfig, tp: int, groups: int) -> None:
-    """TP splits whole Mamba groups and heads (so TP <= mamba_num_groups); key/value heads are split, or
-    replicated when TP is a multiple of their number (Megatron-Core's attention allows both)."""
-    try:
-        validate_hybrid_layout(model, tp, 1)
-    except ConfigError as exc:
-        raise ConversionError(f"--tp={tp}: {exc}") from None
-    if groups % tp and tp % groups:
-        raise ConversionError(f"--tp={tp} is neither a divisor nor a multiple of the model's num_query_groups "
-                              f"(key/value heads)={groups}; pick another --tp")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig, validate_hybrid_layout
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.model.cpu_spec import local_decoder_block_spec
 from megatron_cascade.model.hybrid_spec import local_hybrid_stack_spec, te_hybrid_stack_spec
 from megatron_cascade.model.moe_aux_loss import with_global_normalized_routers
 from megatron_cascade.model.parallel import transformer_engine_available
+from megatron_cascade.models.architectures import megatron_architecture
 
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,13 +73,6 @@ def _activation(model: ModelConfig):
             "squared_relu": (relu2, False)}[model.activation]
 
 
-def _hybrid_kwargs(model: ModelConfig) -> dict:
-    """``TransformerConfig`` fields of the hybrid architecture's Mamba mixers."""
-    hybrid = model.hybrid
-    return dict(is_hybrid_model=True, mamba_state_dim=hybrid.mamba_state_dim, mamba_head_dim=hybrid.mamba_head_dim,
-                mamba_num_groups=hybrid.mamba_num_groups, mamba_num_heads=hybrid.num_heads(model.hidden_size))
-
-
 def params_dtype(model: ModelConfig) -> torch.dtype:
     """The parameter dtype of ``model.precision``."""
     return _PRECISIONS[model.precision]
@@ -94,7 +88,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inferenc
 
     validate_model_config(model)
     _validate_expert_layout(model, parallel)
-    validate_hybrid_layout(model, parallel.tensor_model_parallel_size, parallel.context_parallel_size)
+    architecture = megatron_architecture(model)
+    architecture.validate_layout(model, parallel.tensor_model_parallel_size, parallel.context_parallel_size)
     dtype = params_dtype(model)
     use_cpu = not torch.cuda.is_available()
     activation_func, gated = _activation(model)
@@ -142,8 +137,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, *, inferenc
         # not on the config after the model exists.
         calculate_per_token_loss=True,
     )
-    if model.architecture == "hybrid":
-        kwargs.update(_hybrid_kwargs(model))
+    kwargs.update(architecture.transformer_config_fields(model))
     if inference_cuda_graphs:
         kwargs.update(cuda_graph_impl="local")
     elif model.recompute != "none":
@@ -210,8 +204,8 @@ def decoder_block_spec(config, normalization: str):
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
                 pg_collection=None, inference_cuda_graphs: bool = False):
-    """The model ``model.architecture`` names, for this rank's pipeline stage: ``GPTModel`` (gpt) or
-    ``MambaModel`` (hybrid). Both take the same forward arguments and return [batch, seq, vocab / TP]
+    """The model ``model.architecture`` names, for this rank's pipeline stage (``BUILDERS``:
+    ``GPTModel`` for gpt, ``MambaModel`` for hybrid). Both take the same forward arguments and return [batch, seq, vocab / TP]
     logits, so training, generation and checkpoints treat them alike.
 
     ``pg_collection``: the process groups of another layout than the training one (a decode copy,
@@ -220,9 +214,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int |
     if pg_collection is not None and parallel.pipeline_model_parallel_size != 1:
         raise ValueError("a model on its own process groups is built without pipeline stages here")
     config = transformer_config(model, parallel, inference_cuda_graphs=inference_cuda_graphs)
-    if model.architecture == "hybrid":
-        return build_hybrid_model(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
-    return _build_gpt(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
+    build = BUILDERS[megatron_architecture(model).name]
+    return build(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
 
 
 # Callers written before the hybrid architecture build through this name: it builds what the config names.
@@ -302,3 +295,7 @@ def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | 
     if not torch.cuda.is_available():
         return gpt
     return gpt.cuda(torch.cuda.current_device())
+
+
+# The Megatron-Core model class of each architecture (``models/architectures/``), by its name.
+BUILDERS = {"gpt": _build_gpt, "hybrid": build_hybrid_model}

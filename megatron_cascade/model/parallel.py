@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig, validate_hybrid_layout
+from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
+from megatron_cascade.models.architectures import megatron_architecture
 
 
 def transformer_engine_available() -> bool:
@@ -86,7 +87,7 @@ def resolve_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int
     _check_divides(f"{prefix}tensor_model_parallel_size", tp, "padded vocab size", model.padded_vocab_size,
                    hint="raise model.make_vocab_size_divisible_by to a multiple of the TP size")
     _check_divides(f"{prefix}pipeline_model_parallel_size", pp, "model.num_layers", model.num_layers)
-    validate_hybrid_layout(model, tp, cp, prefix)
+    megatron_architecture(model).validate_layout(model, tp, cp, prefix)
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
         raise ConfigError(

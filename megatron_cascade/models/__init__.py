@@ -6,5 +6,6 @@ engine (``convert/``) asks it through ``registry.py``. Adding a family (README, 
 ``models/<name>/`` with a ``ModelFamily`` subclass as ``FAMILY`` (a Llama-style one extends
 ``llama.family.LlamaFamily`` with its flags and MoE block, as ``mixtral/`` does), one line in
 ``registry.FAMILIES``, and the family in ``tests/convert/convert_fixtures.FAMILIES`` (the conversion
-and layout-invariance tests).
+and layout-invariance tests). ``architectures/`` holds the Megatron-Core model classes the families
+build (``gpt``, ``hybrid``), which the builder, the dry run, the converter and the doctor ask.
 """

@@ -21,8 +21,8 @@ class ModelFamily:
         name: the family's folder name under ``models/`` (``llama``, ``nemotron_h``, ...).
         architecture: ``architectures[0]`` of its HF config (``LlamaForCausalLM``).
         model_type: ``model_type`` of its HF config (``llama``).
-        megatron_architecture: the ``model.architecture`` it builds (``gpt``: GPTModel, ``hybrid``:
-            MambaModel).
+        megatron_architecture: the ``model.architecture`` it builds (``architectures/``: ``gpt`` is
+            GPTModel, ``hybrid`` MambaModel).
     """
 
     name: ClassVar[str]

@@ -242,12 +242,12 @@ HYBRID_MOE = ["model.architecture=hybrid", "model.hybrid.layer_pattern=M*ME", "m
 def test_hybrid_full_recompute_keeps_chunk_inputs_plus_the_largest_chunk(tmp_path):
     """model/hybrid_model.py recomputes uniform chunks of recompute_num_layers: each chunk's input is kept,
     and one chunk's layers hold their activations while it runs again (here "M*" or "ME": the larger)."""
-    from megatron_cascade.cascade.plan import hybrid_layer_activation_bytes
+    from megatron_cascade.cascade.plan import block_activation_bytes
 
     cfg = small_config(tmp_path, *HYBRID_MOE, "model.recompute=full", "model.recompute_num_layers=2", sft=True)
     layout = resolve_layout(cfg.model, cfg.parallel, 4, check_this_machine=False)
     s, b, h = 128, 2, 64
-    layer = {sym: hybrid_layer_activation_bytes(cfg.model, layout, Shape(s, b), sym, sequence_parallel=False,
+    layer = {sym: block_activation_bytes(cfg.model, layout, Shape(s, b), sym, sequence_parallel=False,
                                                 fused_attention=True, keep_scores=True) for sym in "M*E"}
     chunk_input = 2 * s * b * h  # bf16 [s, b, h]
     expected = 3 * 2 * chunk_input + max(layer["M"] + layer["*"], layer["M"] + layer["E"])

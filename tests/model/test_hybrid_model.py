@@ -11,7 +11,7 @@ import pytest
 from megatron_cascade.cascade.plan import (
     Shape,
     count_parameters,
-    hybrid_layer_activation_bytes,
+    block_activation_bytes,
     kv_bytes_per_token,
     mamba_state_bytes_per_sample,
 )
@@ -103,7 +103,7 @@ def test_mamba_activation_and_state_terms_by_hand():
     by_hand = (s * b * 32 * 2 * e / t  # norm and in_proj inputs, SP-sharded
                + e * s * b * (width + 2 * d_inner) / t  # in_proj out, gated-norm and out_proj inputs
                + 4 * b * math.ceil(s / 8) * (heads / t) * 8 * 16)  # fp32 chunk states
-    got = hybrid_layer_activation_bytes(m, LAYOUT, Shape(s, b), "M", sequence_parallel=True, fused_attention=True,
+    got = block_activation_bytes(m, LAYOUT, Shape(s, b), "M", sequence_parallel=True, fused_attention=True,
                                         keep_scores=False)
     assert got == pytest.approx(by_hand)
     # One sample's decode state: conv [conv channels, kernel] + SSM [heads, head dim, state], per Mamba layer.

@@ -28,15 +28,15 @@ Memory model (bytes per GPU, the most loaded pipeline stage, per stage of the ca
 * peak = static + max(generation, training) + ``cluster.runtime_overhead_gib`` (CUDA context, NCCL,
   workspaces); host memory holds the offloaded MOPD teachers.
 
-Hybrid models (``model.architecture: hybrid``) are counted layer by layer from their pattern: Mamba-2
-layers (parameters, the activations their scan keeps, one conv + SSM state per sample in generation),
-attention-only, MLP-only and MoE-only layers; under ``recompute: full`` (``model/hybrid_model.py``)
-each chunk's input is kept and the largest chunk's layers are recomputed at once. They generate in
-the same paged engine, each sample holding one Mamba state slot besides its KV blocks.
+Every model is counted block by block of its layers (``models/architectures/``: a GPT layer is
+attention + a dense MLP or MoE, a hybrid layer one Mamba-2, attention, MLP or MoE block): parameters,
+activations (under ``recompute: full`` each chunk's input is kept and the largest chunk's layers
+are recomputed at once), KV per attention block and, in generation, one conv + SSM state slot per
+sample for the Mamba blocks, in the same paged engine.
 """
 
 from megatron_cascade.cascade.plan.activations import (
-    Shape, fused_head_bytes, hybrid_layer_activation_bytes, layer_activation_bytes, logits_bytes, mamba_block_bytes,
+    Shape, block_activation_bytes, fused_head_bytes, layer_activation_bytes, logits_bytes, mamba_block_bytes,
     routed_load, samples_truncated, training_activation_bytes,
 )
 from megatron_cascade.cascade.plan.checks import (
@@ -50,9 +50,9 @@ from megatron_cascade.cascade.plan.params import GIB, ParamCount, count_paramete
 from megatron_cascade.cascade.plan.stage_memory import StageMemory, stage_memory
 
 __all__ = [
-    "GIB", "GenerationPlan", "ParamCount", "Shape", "StageMemory", "check_decode_layout", "check_generation_layouts",
-    "check_runnable", "count_parameters", "decode_copy_bytes", "describe_plan", "fused_head_bytes", "generation_plan",
-    "hybrid_layer_activation_bytes", "kv_bytes_per_token", "layer_activation_bytes", "logits_bytes",
+    "GIB", "GenerationPlan", "ParamCount", "Shape", "StageMemory", "block_activation_bytes", "check_decode_layout",
+    "check_generation_layouts", "check_runnable", "count_parameters", "decode_copy_bytes", "describe_plan",
+    "fused_head_bytes", "generation_plan", "kv_bytes_per_token", "layer_activation_bytes", "logits_bytes",
     "mamba_block_bytes", "mamba_state_bytes_per_sample", "memory_per_gpu", "params_per_gpu", "prefill_bytes",
     "routed_load", "samples_truncated", "stage_memory", "training_activation_bytes", "uses_cuda_graphs",
 ]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_cascade.cascade.plan.params import DTYPE_BYTES, head_dim, is_moe_layer, mamba_sizes, symbols_on_stage
+from megatron_cascade.cascade.plan.params import DTYPE_BYTES, head_dim, mamba_sizes, stage_layers
 from megatron_cascade.config import RunConfig
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.config.schema import ResolvedStage
 from megatron_cascade.config.stage_types import stage_type
 from megatron_cascade.model import Layout
+from megatron_cascade.models.architectures import ATTENTION, MAMBA, MOE
 from megatron_cascade.ops.logprobs import CHUNK_ELEMENTS
 
 
@@ -109,63 +110,45 @@ def mamba_block_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_par
     return total
 
 
-def hybrid_layer_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, symbol: str, *,
-                                  sequence_parallel: bool, fused_attention: bool, keep_scores: bool) -> float:
-    """Bytes one layer of a hybrid model keeps for its backward: ``M`` Mamba-2, ``*`` attention only,
-    ``-`` dense MLP only, ``E`` MoE only (each a pre-norm block with its residual)."""
-    if symbol == "M":
+def block_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, block: str, *,
+                           sequence_parallel: bool, fused_attention: bool, keep_scores: bool) -> float:
+    """Bytes one block of a layer keeps for its backward (``models/architectures/``): ``M`` Mamba-2,
+    ``*`` attention, ``-`` dense MLP, ``E`` MoE (each a pre-norm block with its residual)."""
+    if block == MAMBA:
         return mamba_block_bytes(m, layout, shape, sequence_parallel)
-    if symbol == "*":
+    if block == ATTENTION:
         return _attention_block_bytes(m, layout, shape, sequence_parallel, fused_attention, keep_scores)
-    return _mlp_block_bytes(m, layout, shape, sequence_parallel, moe_layer=symbol == "E")
+    return _mlp_block_bytes(m, layout, shape, sequence_parallel, moe_layer=block == MOE)
 
 
 def training_activation_bytes(cfg: RunConfig, layout: Layout, shape: Shape, in_flight: int) -> float:
-    """Activation bytes on the first pipeline stage (it holds ``in_flight`` micro-batches under 1F1B).
+    """Activation bytes on the most loaded pipeline stage, which holds ``in_flight`` micro-batches
+    (1F1B's first stage holds the most), block by block of its layers.
 
     none: every layer's saved tensors; selective: the attention core is recomputed (no [s x s]
     scores); full: only each ``recompute_num_layers`` chunk's input is kept, plus one chunk
-    recomputed during its backward (hybrid: the chunk of the stage whose layers keep the most).
+    recomputed during its backward (the chunk whose layers keep the most).
     """
     m = cfg.model
     sp, fused = cfg.parallel.sequence_parallel, cfg.cluster.transformer_engine
-    layers = m.num_layers // layout.pp
-    if m.architecture == "hybrid":
-        return _hybrid_activation_bytes(m, layout, shape, in_flight, sequence_parallel=sp, fused_attention=fused)
+    layers = stage_layers(m, layout)
 
-    def layer(index: int, keep_scores: bool) -> float:
-        return layer_activation_bytes(m, layout, shape, sequence_parallel=sp, fused_attention=fused,
-                                      keep_scores=keep_scores, moe_layer=is_moe_layer(m, index))
+    def kept(chunk: list[str], keep_scores: bool) -> float:
+        return sum(block_activation_bytes(m, layout, shape, block, sequence_parallel=sp, fused_attention=fused,
+                                          keep_scores=keep_scores) for layer in chunk for block in layer)
 
-    if m.recompute == "full":
-        chunk = min(m.recompute_num_layers, layers)
-        inputs = in_flight * math.ceil(layers / chunk) * _chunk_input_bytes(m, layout, shape, sp)
-        return inputs + sum(layer(i, True) for i in range(chunk))
-    return in_flight * sum(layer(i, m.recompute == "none") for i in range(layers))
+    if m.recompute != "full":
+        return in_flight * kept(layers, keep_scores=m.recompute == "none")
+    size = min(m.recompute_num_layers, len(layers))
+    chunks = [layers[i:i + size] for i in range(0, len(layers), size)]
+    inputs = in_flight * len(chunks) * _chunk_input_bytes(m, layout, shape, sp)
+    return inputs + max(kept(chunk, keep_scores=True) for chunk in chunks)
 
 
 def _chunk_input_bytes(m: ModelConfig, layout: Layout, shape: Shape, sequence_parallel: bool) -> float:
     """The hidden states a full-recompute chunk keeps for its backward: its input [s/cp (/t under SP), b, h]."""
     chunk_input = DTYPE_BYTES[m.precision] * shape.seq / layout.cp * shape.batch * m.hidden_size
     return chunk_input / (layout.tp if sequence_parallel else 1)
-
-
-def _hybrid_activation_bytes(m: ModelConfig, layout: Layout, shape: Shape, in_flight: int, *,
-                             sequence_parallel: bool, fused_attention: bool) -> float:
-    """Activations of the most loaded stage of a hybrid model, layer by layer from its pattern."""
-    symbols = symbols_on_stage(m, layout)
-
-    def kept(chunk: str, keep_scores: bool) -> float:
-        return sum(hybrid_layer_activation_bytes(m, layout, shape, symbol, sequence_parallel=sequence_parallel,
-                                                 fused_attention=fused_attention, keep_scores=keep_scores)
-                   for symbol in chunk)
-
-    if m.recompute != "full":
-        return in_flight * kept(symbols, keep_scores=m.recompute == "none")
-    size = min(m.recompute_num_layers, len(symbols))
-    chunks = [symbols[i:i + size] for i in range(0, len(symbols), size)]
-    inputs = in_flight * len(chunks) * _chunk_input_bytes(m, layout, shape, sequence_parallel)
-    return inputs + max(kept(chunk, keep_scores=True) for chunk in chunks)
 
 
 def logits_bytes(m: ModelConfig, layout: Layout, tokens: float) -> float:

@@ -11,6 +11,7 @@ from megatron_cascade.config.model import FP8Config
 from megatron_cascade.config.schema import ResolvedStage
 from megatron_cascade.config.stage_types import stage_type
 from megatron_cascade.model import Layout, resolve_layout
+from megatron_cascade.models.architectures import MOE, megatron_architecture
 
 _FP8_ALIGN = 16  # TE FP8 GEMMs need both operand dims divisible by 16
 
@@ -71,9 +72,7 @@ def check_decode_layout(cfg: RunConfig, stage: ResolvedStage, world_size: int) -
 
 def _has_graphable_layers(m) -> bool:
     """Whether some layer has no MoE block (the layers a decode step replays from CUDA graphs)."""
-    if m.architecture == "hybrid":
-        return any(symbol in (m.hybrid.layer_pattern or "") for symbol in "M*-")
-    return not m.moe.num_experts or m.moe.layer_freq > 1
+    return any(MOE not in layer for layer in megatron_architecture(m).layer_blocks(m))
 
 
 def uses_cuda_graphs(cfg: RunConfig) -> bool:

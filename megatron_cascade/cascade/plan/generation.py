@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass
 
 from megatron_cascade.cascade.plan.activations import Shape, routed_load
-from megatron_cascade.cascade.plan.params import DTYPE_BYTES, GIB, head_dim, mamba_sizes, symbols_on_stage
+from megatron_cascade.cascade.plan.params import DTYPE_BYTES, GIB, head_dim, mamba_sizes, stage_layers
 from megatron_cascade.config import ConfigError, RunConfig
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.config.schema import ResolvedStage
 from megatron_cascade.model import Layout
+from megatron_cascade.models.architectures import ATTENTION, MAMBA, count_blocks, megatron_architecture
 
 
 def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attention: bool) -> float:
@@ -36,19 +37,20 @@ def prefill_bytes(m: ModelConfig, layout: Layout, shape: Shape, *, fused_attenti
 def kv_bytes_per_token(m: ModelConfig, layout: Layout) -> float:
     """K and V of one token in every attention layer of the most loaded pipeline stage, this rank's KV heads."""
     groups = m.num_query_groups or m.num_attention_heads
-    layers = symbols_on_stage(m, layout).count("*") if m.architecture == "hybrid" else m.num_layers // layout.pp
+    layers = count_blocks(stage_layers(m, layout), ATTENTION)
     return 2 * layers * max(groups // layout.tp, 1) * head_dim(m) * DTYPE_BYTES[m.precision]
 
 
 def mamba_state_bytes_per_sample(m: ModelConfig, layout: Layout) -> float:
     """One sample's generation state in the Mamba layers of the most loaded stage: the conv state
     [conv channels / t, kernel] and the SSM state [heads / t, head dim, state] per layer (model dtype)."""
-    if m.architecture != "hybrid":
+    layers = count_blocks(stage_layers(m, layout), MAMBA)
+    if not layers:
         return 0.0
     heads, _, conv, _ = mamba_sizes(m)
     hy = m.hybrid
     per_layer = conv * hy.mamba_conv_kernel + heads * hy.mamba_head_dim * hy.mamba_state_dim
-    return symbols_on_stage(m, layout).count("M") * per_layer / layout.tp * DTYPE_BYTES[m.precision]
+    return layers * per_layer / layout.tp * DTYPE_BYTES[m.precision]
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def generation_plan(cfg: RunConfig, layout: Layout, stage: ResolvedStage, free_b
     concurrent = min(samples, slots, blocks * block // expected)
     tokens = max(16384, longest + concurrent)
     step = prefill_bytes(m, layout, Shape(tokens, 1, routed_load(cfg, layout)), fused_attention=True)
-    if m.architecture == "hybrid":
+    if megatron_architecture(m).has_blocks(m, MAMBA):
         e = DTYPE_BYTES[m.precision]
         _, d_inner, _, width = mamba_sizes(m)
         step = max(step, e * tokens * (2 * m.hidden_size + (width + d_inner) / layout.tp))  # in_proj out, scan out

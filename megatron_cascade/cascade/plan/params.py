@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_cascade.config import RunConfig
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.model import Layout, resolve_layout
+from megatron_cascade.models.architectures import ATTENTION, MAMBA, MLP, MOE, count_blocks, megatron_architecture
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -30,17 +31,9 @@ def head_dim(m: ModelConfig) -> int:
     return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
-def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return bool(m.moe.num_experts) and layer % m.moe.layer_freq == 0
-
-
-def symbols_on_stage(m: ModelConfig, layout: Layout) -> str:
-    """Layer symbols of the most loaded pipeline stage (hybrid: Megatron splits the pattern evenly;
-    the stage with the most Mamba + attention layers, the ones with per-token state)."""
-    pattern = m.hybrid.layer_pattern
-    per = m.num_layers // layout.pp
-    stages = [pattern[i * per:(i + 1) * per] for i in range(layout.pp)]
-    return max(stages, key=lambda st: (st.count("M") + st.count("*"), st.count("E")))
+def stage_layers(m: ModelConfig, layout: Layout) -> list[str]:
+    """The blocks of each layer of the most loaded pipeline stage (``MegatronArchitecture.stage_layers``)."""
+    return megatron_architecture(m).stage_layers(m, layout.pp)
 
 
 def mamba_sizes(m: ModelConfig) -> tuple[int, int, int, int]:
@@ -60,52 +53,25 @@ def _mamba_parameters(m: ModelConfig) -> int:
     return h + h * width + conv * (m.hybrid.mamba_conv_kernel + 1) + 3 * heads + d_inner + d_inner * h
 
 
-def _count_hybrid(m: ModelConfig, attention: int, dense_mlp: int, gate: int) -> ParamCount:
-    """Parameters of a hybrid model, layer by layer from its pattern (each layer has one pre-norm)."""
-    h = m.hidden_size
-    dense = expert = 0
-    for symbol in m.hybrid.layer_pattern:
-        if symbol == "M":
-            dense += _mamba_parameters(m)
-        elif symbol == "*":
-            dense += attention - h  # one norm, no pre-MLP norm
-        elif symbol == "-":
-            dense += dense_mlp + h
-        else:  # "E"
-            e_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size or 4 * h
-            shared = m.moe.shared_expert_intermediate_size or 0
-            expert += m.moe.num_experts * (h * e_ffn * gate + e_ffn * h)
-            dense += h + h * m.moe.num_experts + h * shared * gate + shared * h
-    embedding = m.padded_vocab_size * h * (1 if m.tie_embeddings else 2)
-    return ParamCount(embedding, dense + h, expert)
-
-
 def count_parameters(m: ModelConfig) -> ParamCount:
-    """Analytic parameter count of the model ``m`` describes (GPT, or hybrid layer by layer)."""
+    """Analytic parameter count of the model ``m`` describes, block by block of each layer (every
+    block has one pre-norm; ``models/architectures/``)."""
     h, heads = m.hidden_size, m.num_attention_heads
     hd = head_dim(m)
     groups = m.num_query_groups or heads
     gate = 2 if m.activation == "swiglu" else 1
-    attention = h * hd * (heads + 2 * groups) + heads * hd * h + 2 * h
+    attention = h * hd * (heads + 2 * groups) + heads * hd * h + h
     attention += (hd * (heads + 2 * groups) if m.add_qkv_bias else 0) + (2 * hd if m.qk_layernorm else 0)
     ffn = m.ffn_hidden_size or 4 * h
-    dense_mlp = h * ffn * gate + ffn * h
-    if m.architecture == "hybrid":
-        return _count_hybrid(m, attention, dense_mlp, gate)
-    dense = expert = 0
-    for layer in range(m.num_layers):
-        dense += attention
-        if is_moe_layer(m, layer):
-            e_ffn = m.moe.ffn_hidden_size or ffn
-            expert += m.moe.num_experts * (h * e_ffn * gate + e_ffn * h)
-            dense += h * m.moe.num_experts
-            shared = m.moe.shared_expert_intermediate_size or 0
-            dense += h * shared * gate + shared * h
-        else:
-            dense += dense_mlp
-    dense += h  # final norm
+    e_ffn = m.moe.ffn_hidden_size or ffn
+    shared = m.moe.shared_expert_intermediate_size or 0
+    dense_of = {ATTENTION: attention, MLP: h * ffn * gate + ffn * h + h, MAMBA: _mamba_parameters(m),
+                MOE: h + h * (m.moe.num_experts or 0) + h * shared * gate + shared * h}
+    layers = megatron_architecture(m).layer_blocks(m)
+    dense = sum(dense_of[block] for layer in layers for block in layer)
+    expert = count_blocks(layers, MOE) * (m.moe.num_experts or 0) * (h * e_ffn * gate + e_ffn * h)
     embedding = m.padded_vocab_size * h * (1 if m.tie_embeddings else 2)
-    return ParamCount(embedding, dense, expert)
+    return ParamCount(embedding, dense + h, expert)  # + the final norm
 
 
 def params_per_gpu(cfg: RunConfig, layout: Layout) -> tuple[float, float]:
