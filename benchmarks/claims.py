@@ -166,6 +166,76 @@ def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dic
     return lines
 
 
+def _band(curves: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float]]:
+    """(steps, mean, SE) over seeds at the steps every seed's curve has."""
+    steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves))) if curves else []
+    means, ses = [], []
+    for step in steps:
+        values = [dict(c)[step] for c in curves]
+        means.append(statistics.fmean(values))
+        ses.append(statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
+    return steps, means, ses
+
+
+def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult]],
+                     mixed: list[list[StageResult]], domains_of: dict[str, list[str]]) -> str:
+    """The claims as an image: per domain, bars of SFT / own GRPO stage / cascade end / mixed-RL end
+    (mean ± SE over seeds); per MOPD domain, MOPD vs GRPO held-out curves with seed bands (± SE) and
+    the teacher's level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = cascades[0]
+    domains = sorted({d for r in first for d in r.scores})
+    mopd = next((s for s in first if s.teachers), None)
+    grpo = next((s for s in first if mopd and s.type == "grpo" and s.start == mopd.start
+                 and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+    taught = sorted(mopd.teachers) if mopd else []
+    fig, axes = plt.subplots(1, 1 + len(taught), figsize=(6.5 + 4.5 * len(taught), 4.6), squeeze=False)
+    bars = axes[0][0]
+    own = {d: next((i for i, r in enumerate(first) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
+           for d in domains}
+    series = {"SFT": [[run_[0].scores.get(d) for run_ in cascades] for d in domains],
+              "own GRPO stage": [[run_[own[d]].scores[d] for run_ in cascades] if own[d] is not None else []
+                                 for d in domains],
+              "cascade end": [[run_[-1].scores.get(d) for run_ in cascades] for d in domains],
+              "mixed RL end": [[run_[-1].scores.get(d) for run_ in mixed] for d in domains]}
+    width = 0.8 / len(series)
+    for k, (label, per_domain) in enumerate(series.items()):
+        values = [[v for v in vs if v is not None] for vs in per_domain]
+        means = [statistics.fmean(v) if v else float("nan") for v in values]
+        errors = [statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in values]
+        bars.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(domains))], means, width,
+                 yerr=errors, capsize=2, label=label)
+    bars.set_xticks(range(len(domains)), domains, rotation=10)
+    bars.set_ylim(0, 1)
+    bars.set_ylabel("held-out score")
+    bars.set_title(f"cascade vs mixed RL ({len(cascades)} seeds, ± SE)")
+    bars.legend(fontsize=7)
+    all_curves = [eval_curves(out) for out in outs]
+    for ax, domain in zip(axes[0][1:], taught):
+        for stage, color in ((mopd, "C0"), (grpo, "C1")):
+            if stage is None:
+                continue
+            steps, means, ses = _band([c[stage.name][domain] for c in all_curves if domain in c.get(stage.name, {})])
+            ax.plot(steps, means, marker="o", markersize=3, color=color, label=f"{stage.name} ({stage.type})")
+            ax.fill_between(steps, [m - e for m, e in zip(means, ses)], [m + e for m, e in zip(means, ses)],
+                            color=color, alpha=0.25)
+        level = statistics.fmean({r.name: r for r in run_}[mopd.teachers[domain]].scores[domain] for run_ in cascades)
+        ax.axhline(level, color="k", linewidth=0.8, label=f"teacher {mopd.teachers[domain]}")
+        ax.axhspan(level - TOLERANCE, level, color="k", alpha=0.08)
+        ax.set_xlabel("stage step")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{domain}: MOPD vs GRPO from {mopd.start}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def stage_domains(config: Path, overrides: list[str]) -> dict[str, list[str]]:
     """stage name -> the domains it trains on (from the config)."""
     from megatron_cascade.config import load_config
@@ -202,8 +272,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("\nforgetting: the cascade vs mixed RL with the same GRPO steps and data\n")
         print("\n".join(mixed_table(cascades, mixed, domains_of)))
     print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
-    print("\n".join(mopd_vs_grpo([o for o in cascade_outs if os.path.isfile(os.path.join(o, 'manifest.json'))],
-                                 cascades, domains_of)))
+    finished = [o for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
+    print("\n".join(mopd_vs_grpo(finished, cascades, domains_of)))
+    print("\nwrote", write_claims_png(os.path.join(args.out, "claims.png"), finished, cascades, mixed, domains_of))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ DOMAINS = ("math", "instruction_following", "code")
 # Held-out rows per domain: 128 x 8 samples puts the standard error of a score near 0.9 at ~0.01, small
 # enough to tell a student 0.03 below its teacher; code stays at 48 (every sample runs in the sandbox).
 EVAL_ROWS = {"math": 128, "instruction_following": 128, "code": 48}
-# Fraction of SFT rows that show the right behaviour; the rest show the domain's habit (below).
-SFT_FOLLOWS = 0.4
+# Chance that an SFT row shows the right behaviour at each of its decisions (the domain's habit,
+# below, otherwise): code has one decision per answer, math and instruction following three.
+SFT_FOLLOWS = {"math": 0.35, "instruction_following": 0.35, "code": 0.4}
+# Items per domain (distinct prompts): math of 2.5M four-digit sums, IF of 1.3M (word pair, format) items.
+MATH_ITEMS = 4000
+IF_ITEMS = 3000
 
 # Consonant-vowel-consonant words (of 1,445): copying one is a skill, not a memorised answer. With 120
 # words (600 items) the SFT model memorised its rows and copied a held-out word right 5% of the time;
@@ -57,17 +61,30 @@ CODE_K_MAX = 1000
 # (pass@1 low, pass@8 high). The choice does not depend on the prompt, so what RL learns on its
 # prompts (drop the habit) carries over to held-out prompts of the same task.
 
+def _digit_pairs(low: int = 0) -> list[tuple[int, int]]:
+    """Digit pairs (x, y), x, y >= ``low``, whose sum carries (>= 10)."""
+    return [(x, y) for x in range(low, 10) for y in range(low, 10) if x + y >= 10]
+
+
 def math_items(rng: random.Random) -> list[tuple]:
-    """Three-digit + one-digit additions that carry into the tens ("347+5=" -> "352"); the habit forgets
-    the carry ("342"). Tens digits 1..8, so the carry never reaches the hundreds. (SFT rows without a
-    carry, always right, made the habit near certain: pass@8 0.05 after SFT; two-digit sums alone, 360
-    items, were memorised: 20% of held-out answers wrong in other ways after SFT, 4% with 3,240.)"""
+    """Four-digit sums with three carries ("4357+2285=" -> "6642"): the units, tens and hundreds digits
+    of each pair sum to 10 or more (so each carries whatever comes in), the thousands to at most 8.
+    The habit forgets each carry on its own (the tens, hundreds or thousands digit one lower): the
+    errors sit at three positions, so a whole answer is right only when all three are."""
+    thousands = [(x, y) for x in range(1, 9) for y in range(1, 9) if x + y <= 8]
+    pairs = _digit_pairs()
     rows = []
-    for hundreds in range(100, 1000, 100):
-        for a in range(hundreds + 10, hundreds + 90):
-            for b in range(10 - a % 10, 10):
-                rows.append((f"{a}+{b}=", str(a + b), str(a + b - 10), {"answer": str(a + b)}))
-    return rows
+    for _ in range(MATH_ITEMS):
+        (ak, bk), (ah, bh), (at, bt), (au, bu) = rng.choice(thousands), *(rng.choice(pairs) for _ in range(3))
+        a, b = ak * 1000 + ah * 100 + at * 10 + au, bk * 1000 + bh * 100 + bt * 10 + bu
+        digits = [str(ak + bk + 1), str((ah + bh + 1) % 10), str((at + bt + 1) % 10), str((au + bu) % 10)]
+        forgot = [str(ak + bk), str((ah + bh) % 10), str((at + bt) % 10)]  # the digit without its carry
+
+        def render(follows: tuple[bool, ...], digits=digits, forgot=forgot) -> str:
+            return "".join(d if ok else f for d, f, ok in zip(digits, forgot, follows)) + digits[3]
+
+        rows.append((f"{a}+{b}=", render, 3, {"answer": str(a + b)}))
+    return list({row[0]: row for row in rows}.values())  # one item per prompt
 
 
 def _kw(word: str) -> dict:
@@ -75,30 +92,45 @@ def _kw(word: str) -> dict:
 
 
 def if_items(rng: random.Random) -> list[tuple]:
-    """A word in one of five formats ("say cat in caps" -> "CAT"); the habit ignores the format ("cat")."""
+    """Two words in capitals, ending with OK ("say cat dog in caps and end with ok" -> "CAT DOG OK"), or
+    in capitals and in quotes ('"CAT DOG"'). The habit, on its own at each of three places: a word
+    left in lower case, the OK or the quotes left out."""
     words: set[str] = set()
     while len(words) < N_WORDS:
         word = rng.choice("bcdfghklmnprstvwz") + rng.choice("aeiou") + rng.choice("bcdfghklmnprstvwz")
-        if not word.endswith("ok"):  # "say wok and end with ok": the habit "wok" would already end with ok
+        if not word.endswith("ok"):  # a word ending in ok would satisfy the end check by itself
             words.add(word)
-    rows = []
-    for w in sorted(words):
-        rows.append((f"say {w} in caps", w.upper(), w,
-                     {"instructions": [{"id": "change_case:english_capital", "kwargs": {}}, _kw(w)]}))
-        rows.append((f"say {w} and end with ok", f"{w} ok", w,
-                     {"instructions": [_kw(w), {"id": "startend:end_checker", "kwargs": {"end_phrase": "ok"}}]}))
-        rows.append((f"say {w} in quotes", f'"{w}"', w,
-                     {"instructions": [{"id": "startend:quotation", "kwargs": {}}, _kw(w)]}))
-        for k in (2, 3):
-            rows.append((f"say {w} {k} times", " ".join([w] * k), w,
-                         {"instructions": [{"id": "keywords:frequency",
-                                            "kwargs": {"keyword": w, "frequency": k, "relation": "at least"}},
-                                           {"id": "punctuation:no_comma", "kwargs": {}}]}))
-    return rows
+    words_sorted = sorted(words)
+    caps = {"id": "change_case:english_capital", "kwargs": {}}
+    rows = {}
+    while len(rows) < IF_ITEMS:
+        w1, w2 = rng.sample(words_sorted, 2)
+        if rng.random() < 0.5:
+            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
+                return f"{w1.upper() if f[0] else w1} {w2.upper() if f[1] else w2}" + (" OK" if f[2] else "")
+
+            rows[f"say {w1} {w2} in caps and end with ok"] = (
+                f"say {w1} {w2} in caps and end with ok", render, 3,
+                {"instructions": [caps, _kw(w1), _kw(w2), {"id": "startend:end_checker",
+                                                         "kwargs": {"end_phrase": "ok"}}]})
+        else:
+            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
+                body = f"{w1.upper() if f[0] else w1} {w2.upper() if f[1] else w2}"
+                return f'"{body}"' if f[2] else body
+
+            rows[f"say {w1} {w2} in caps in quotes"] = (
+                f"say {w1} {w2} in caps in quotes", render, 3,
+                {"instructions": [caps, _kw(w1), _kw(w2), {"id": "startend:quotation", "kwargs": {}}]})
+    return [rows[k] for k in sorted(rows)]
 
 
 def _program(body: str) -> str:
     return f"```python\n{body}\n```"
+
+
+def _one_decision(right: str, habitual: str):
+    """The render of an item with one decision: the right response or the habitual one."""
+    return lambda follows: right if follows[0] else habitual
 
 
 def code_items(rng: random.Random) -> list[tuple]:
@@ -113,8 +145,8 @@ def code_items(rng: random.Random) -> list[tuple]:
     for prompt, op, k in families:
         inputs = [rng.randint(0, 99) for _ in range(2)]
         tests = [{"input": f"{x}\n", "output": f"{apply[op](x, k)}\n"} for x in inputs]
-        rows.append((prompt, _program(f"print(int(input()){op}{k})"), _program(f"print(input(){op}{k})"),
-                     {"tests": tests}))
+        rows.append((prompt, _one_decision(_program(f"print(int(input()){op}{k})"), _program(f"print(input(){op}{k})")),
+                     1, {"tests": tests}))
     return rows
 
 
@@ -137,7 +169,7 @@ def long_context_item(rng: random.Random) -> tuple:
     for fact in facts:
         words.insert(rng.randrange(len(words) + 1), fact)
     prompt = " ".join(words) + " what is key?"
-    return prompt, str(key), str(box), {"answer": str(key)}
+    return prompt, _one_decision(str(key), str(box)), 1, {"answer": str(key)}
 
 
 def make_long_context(seed: int) -> dict[str, list[dict]]:
@@ -146,7 +178,7 @@ def make_long_context(seed: int) -> dict[str, list[dict]]:
     out = {}
     for split, count in LONG_ROWS.items():
         out[split] = [_row("long_context", long_context_item(rng),
-                           habit=split == "sft" and rng.random() >= LONG_SFT_FOLLOWS) for _ in range(count)]
+                           (split != "sft" or rng.random() < LONG_SFT_FOLLOWS,)) for _ in range(count)]
     return out
 
 
@@ -164,28 +196,30 @@ def generate_long(out: Path, seed: int = 0) -> list[Path]:
 BUILDERS = {"math": math_items, "instruction_following": if_items, "code": code_items}
 
 
-def _row(domain: str, item: tuple, habit: bool = False) -> dict:
-    prompt, right, habitual, fields = item
-    habit = habit and habitual is not None
-    row = {"domain": domain, "prompt": prompt, "response": habitual if habit else right, **fields}
-    if habit:
-        row["habit"] = True  # the SFT target is the habitual mistake (scores 0)
+def _row(domain: str, item: tuple, follows: tuple[bool, ...] = ()) -> dict:
+    """The row of ``item``: its response with each decision right where ``follows`` says (all right
+    when empty), marked ``habit`` when any is not."""
+    prompt, render, decisions, fields = item
+    follows = follows or (True,) * decisions
+    row = {"domain": domain, "prompt": prompt, "response": render(follows), **fields}
+    if not all(follows):
+        row["habit"] = True  # the SFT target shows the habitual mistake somewhere (scores 0)
     return row
 
 
 def make_domain(domain: str, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint. The task items (those with
-    a habit) go one third to RL and two thirds to SFT (after the eval rows); SFT rows show the habit
-    with probability 1 - SFT_FOLLOWS; RL and eval rows carry the right response; items without a
-    habit are SFT-only."""
+    """(sft rows, RL train rows, eval rows) of one domain, prompt-disjoint. The items go one third to
+    RL and two thirds to SFT (after the eval rows); an SFT row gets each of its decisions right with
+    probability ``SFT_FOLLOWS[domain]``, on its own; RL and eval rows carry the right response."""
     rng = random.Random(f"{seed}:{domain}")
     items = BUILDERS[domain](rng)
-    order = [i for i in range(len(items)) if items[i][2] is not None]
+    order = list(range(len(items)))
     rng.shuffle(order)
     n_eval = EVAL_ROWS[domain]
     eval_idx, rest = order[:n_eval], order[n_eval:]
-    sft_idx = [i for k, i in enumerate(rest) if k % 3 != 2] + [i for i, item in enumerate(items) if item[2] is None]
-    sft = [_row(domain, items[i], habit=rng.random() >= SFT_FOLLOWS) for i in sft_idx]
+    sft_idx = [i for k, i in enumerate(rest) if k % 3 != 2]
+    sft = [_row(domain, items[i], tuple(rng.random() < SFT_FOLLOWS[domain] for _ in range(items[i][2])))
+           for i in sft_idx]
     train = [_row(domain, items[i]) for i in rest[2::3]]
     evals = [_row(domain, items[i]) for i in eval_idx]
     return sft, train, evals

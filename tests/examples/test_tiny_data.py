@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -102,9 +103,37 @@ def _eval_rows_and_a_sample_of_each_program_shape(rows):
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_sft_rows_show_the_habit_about_as_often_as_make_data_says(domain):
+    make_data = _make_data()
+    decisions = make_data.BUILDERS[domain](random.Random(0))[0][2]
     rows = _rows(domain, "sft")
     habit = sum(bool(r.get("habit")) for r in rows) / len(rows)
-    assert abs(habit - (1 - _make_data().SFT_FOLLOWS)) < 0.15
+    assert abs(habit - (1 - make_data.SFT_FOLLOWS[domain] ** decisions)) < 0.05
+
+
+def _wrong_decisions(domain, row):
+    """Which of a math or IF row's three decisions its response gets wrong (0-based)."""
+    response = row["response"]
+    if domain == "math":  # the thousands, hundreds and tens digits (each carries one carry)
+        return [i for i in range(3) if response[i] != row["answer"][i]]
+    body = response.strip('"')
+    words = body.removesuffix(" OK").split(" ")
+    closing = response.endswith(" OK") if "end with ok" in row["prompt"] else response.startswith('"')
+    return [i for i, ok in enumerate((words[0].isupper(), words[1].isupper(), closing)) if not ok]
+
+
+@pytest.mark.parametrize("domain", ["math", "instruction_following"])
+def test_habits_are_spread_over_three_positions_independently(domain):
+    """A sequence reward is sparse here and a per-token signal is not: the SFT rows' mistakes sit at
+    three places, each wrong on its own at about 1 - SFT_FOLLOWS, so a row is right only when all are."""
+    rows = _rows(domain, "sft")
+    wrong = [_wrong_decisions(domain, r) for r in rows]
+    assert all(bool(w) == bool(r.get("habit")) for w, r in zip(wrong, rows))
+    rate = 1 - _make_data().SFT_FOLLOWS[domain]
+    for position in range(3):
+        assert abs(sum(position in w for w in wrong) / len(rows) - rate) < 0.05
+    counts = [sum(len(w) == k for w in wrong) / len(rows) for k in range(4)]
+    expected = [math.comb(3, k) * rate**k * (1 - rate) ** (3 - k) for k in range(4)]
+    assert all(abs(c - e) < 0.05 for c, e in zip(counts, expected)), (counts, expected)
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
