@@ -29,7 +29,7 @@ MODEL = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, voca
 def _sizes_only(folder: str):
     """The record without hashes (the baseline save); the same gather, so only the hashing differs."""
     from megatron_cascade.checkpoint_safety.integrity import files_under, owner_rank
-    from megatron_cascade.model.checkpoint import _gather, _rank, _world_size
+    from megatron_cascade.model.weights_checkpoint import _gather, _rank, _world_size
 
     mine = {rel: {"bytes": os.path.getsize(os.path.join(folder, rel))} for rel in files_under(folder)
             if owner_rank(rel, _world_size()) == _rank()}

@@ -282,7 +282,7 @@ def check_optimizer_resume(policy, args: argparse.Namespace) -> Result:
     when B == C; when the step itself is not bit-reproducible (B != C), |A - B| within 2 |B - C|."""
     from megatron_cascade.config.training import LossConfig, TrainingConfig
     from megatron_cascade.training import LossSpec, train_step
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     batch, spec = train_batch(args), LossSpec("sft", LossConfig(), vocab_size=args.vocab)
     training = TrainingConfig(micro_batch_size=max(1, args.batch // 2))

@@ -83,7 +83,7 @@ def check_fp8_resume(policy, cfg, args: argparse.Namespace, root: str, saved: di
     from megatron_cascade.config.model import ParallelConfig
     from megatron_cascade.config.training import OptimizerConfig
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     path = saved["path"] = save_training_checkpoint(root, 1, policy, {}, keep_last=1)
     before, batch = _logprobs(policy.chunks, args)

@@ -11,7 +11,7 @@ import os
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from megatron_cascade.training.checkpoint import read_latest, write_atomically
+from megatron_cascade.training.resume_checkpoint import read_latest, write_atomically
 
 MANIFEST = "manifest.json"
 

@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_cascade.cascade.manifest import Manifest, checkpoint_root
 from megatron_cascade.config import ConfigError, RunConfig, resolve_stage
 from megatron_cascade.config.stage_types import stage_type
-from megatron_cascade.training.checkpoint import read_latest
+from megatron_cascade.training.resume_checkpoint import read_latest
 
 RECORDED_CONFIG = "config.yaml"
 

@@ -31,7 +31,7 @@ from megatron_cascade.run_logging import log_to_file
 from megatron_cascade.cascade.plan import check_generation_layouts, uses_cuda_graphs
 from megatron_cascade.model import initialize_model_parallel, resolve_layout
 from megatron_cascade.tokenizers import build_tokenizer
-from megatron_cascade.training.checkpoint import write_atomically
+from megatron_cascade.training.resume_checkpoint import write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from megatron_cascade.config.schema import ResolvedStage, RunConfig
 from megatron_cascade.stages import stage_class
 from megatron_cascade.config.stage_types import stage_type
 from megatron_cascade.training import build_policy, optimize_on_batch
-from megatron_cascade.training.checkpoint import (
+from megatron_cascade.training.resume_checkpoint import (
     agreed_latest,
     load_training_checkpoint,
     save_final_weights,

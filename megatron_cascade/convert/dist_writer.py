@@ -25,7 +25,7 @@ from megatron_cascade.checkpoint_safety import read_dcp_metadata
 from megatron_cascade.config.model import ModelConfig
 from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.runtime import Skeleton
-from megatron_cascade.model.checkpoint import MODEL_CONFIG_FILE, architecture_of
+from megatron_cascade.model.weights_checkpoint import MODEL_CONFIG_FILE, architecture_of
 
 METADATA_FILE = ".metadata"
 _PARTS = ".convert_parts"

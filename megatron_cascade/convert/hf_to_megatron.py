@@ -14,7 +14,7 @@ from megatron_cascade.convert.safetensors_io import SafetensorsReader
 from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import write_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_megatron
-from megatron_cascade.model.checkpoint import write_file_record
+from megatron_cascade.model.weights_checkpoint import write_file_record
 from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.models.family import ModelFamily
 from megatron_cascade.models.hf_keys import hf_precision

@@ -18,7 +18,7 @@ from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_config import model_config_from_hf
 from megatron_cascade.convert.hf_files import CONFIG_FILE, read_hf_config
 from megatron_cascade.convert.safetensors_io import DTYPES, SafetensorsReader
-from megatron_cascade.model.checkpoint import MODEL_CONFIG_FILE, read_model_config
+from megatron_cascade.model.weights_checkpoint import MODEL_CONFIG_FILE, read_model_config
 from megatron_cascade.models.architectures import ARCHITECTURES
 
 _DTYPE_SIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}

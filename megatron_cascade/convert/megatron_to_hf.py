@@ -19,7 +19,7 @@ from megatron_cascade.convert.safetensors_io import ShardedSafetensorsWriter, pa
 from megatron_cascade.convert.spec_names import resolve_spec_names
 from megatron_cascade.convert.tensor_dtypes import DtypeRecord, read_source_dtypes
 from megatron_cascade.convert.tensor_maps import to_hf
-from megatron_cascade.model.checkpoint import CheckpointError, check_file_record, read_model_config
+from megatron_cascade.model.weights_checkpoint import CheckpointError, check_file_record, read_model_config
 from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.models.registry import family_by_architecture, family_of_model
 

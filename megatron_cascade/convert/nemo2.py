@@ -26,7 +26,7 @@ from megatron_cascade.convert.dist_reader import read_dist_metadata
 from megatron_cascade.models.errors import ConversionError
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_side_files
 from megatron_cascade.convert.layout import validate_layout
-from megatron_cascade.model.checkpoint import write_file_record
+from megatron_cascade.model.weights_checkpoint import write_file_record
 
 PREFIX = "module."
 # Config classes (by module) we can map; Llama 3.1+/3.2/3.3 configs use RoPE scaling, which the builder lacks.

@@ -15,7 +15,7 @@ from megatron_cascade.convert.dist_copy import copy_dist_checkpoint
 from megatron_cascade.convert.hf_files import HF_SUBDIR, copy_directory_files
 from megatron_cascade.convert.layout import validate_layout
 from megatron_cascade.convert.megatron_to_hf import load_model_config
-from megatron_cascade.model.checkpoint import write_file_record
+from megatron_cascade.model.weights_checkpoint import write_file_record
 
 
 def reshard(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1) -> ModelConfig:

@@ -18,7 +18,7 @@ exception, and it already writes TE names for almost every tensor:
 * ``_extra_state`` objects hold TE's FP8 metadata, no weights. Local linears store ``None`` under the
   same keys as TE linears; TE norms (``q_layernorm``, ``k_layernorm``, MoE ``pre_mlp_layernorm``,
   ``final_layernorm``) have ones local norms lack. Loading tolerates both directions
-  (``checkpoint.load_model_weights``): a missing one keeps the module's own, an unknown one is unread.
+  (``weights_checkpoint.load_model_weights``): a missing one keeps the module's own, an unknown one is unread.
 
 Checkpoints written before this naming (local-spec names) still load: ``resolve_legacy_keys`` falls
 back to the local-spec key of a tensor the checkpoint does not hold under its canonical key.

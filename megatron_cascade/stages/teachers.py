@@ -13,7 +13,7 @@ import torch
 
 from megatron_cascade.config.model import ConfigError, ModelConfig, ParallelConfig
 from megatron_cascade.model import load_model_weights
-from megatron_cascade.model.checkpoint import read_model_config
+from megatron_cascade.model.weights_checkpoint import read_model_config
 from megatron_cascade.training.batch import TrainBatch
 from megatron_cascade.training.loss_plugin import LossSpec
 from megatron_cascade.training.policy import build_frozen_model, unwrap

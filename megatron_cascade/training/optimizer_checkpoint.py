@@ -1,4 +1,4 @@
-"""The optimizer's state in a training checkpoint (``training/checkpoint.py``'s ``optim/``): Adam
+"""The optimizer's state in a training checkpoint (``training/resume_checkpoint.py``'s ``optim/``): Adam
 moments, fp32 master weights (bf16/fp16), step and loss scale as a Megatron distributed checkpoint
 keyed by the model's spec-independent tensor names, in the distributed optimizer's
 ``fully_reshardable`` form, so that any layout reads it; written and read fully in parallel over the
@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron_cascade.model.checkpoint import CheckpointError, _signal_safe_writer_queue
+from megatron_cascade.model.weights_checkpoint import CheckpointError, _signal_safe_writer_queue
 from megatron_cascade.model.spec_layout import canonical_sharded_state_dict
 from megatron_cascade.training.policy import Policy
 

@@ -42,7 +42,7 @@ def _largest_file(folder: str) -> str:
 def _damage_and_resume(root: str, policy, damaged: int, damage: str) -> dict:
     """Damage the largest file of a checkpoint's optimizer state, resume as the stage does (read_latest,
     load), and save the next step, as a run stopped by its time limit right after it would."""
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, read_latest, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, read_latest, save_training_checkpoint
 
     victim = _largest_file(os.path.join(root, f"step_{damaged:08d}", "optim"))
     if damage == "truncate":
@@ -58,7 +58,7 @@ def _damage_and_resume(root: str, policy, damaged: int, damage: str) -> dict:
 
 
 def _fallback_worker(root: str) -> dict:
-    from megatron_cascade.training.checkpoint import save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import save_training_checkpoint
 
     policy = _policy()
     for step in (2, 4):  # checkpoint.every_steps=2
@@ -94,7 +94,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_with_a_warni
 
 def _fsync_worker(root: str) -> dict:
     """Record every fsync (by path) and when ``latest`` is replaced, around a real save."""
-    from megatron_cascade.training.checkpoint import save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import save_training_checkpoint
 
     policy = _policy()
     events: list[tuple[str, str]] = []
@@ -137,7 +137,7 @@ def _agreement_worker(root: str, blind_rank: int) -> dict:
     import torch.distributed as dist
 
     from megatron_cascade.model import CheckpointError
-    from megatron_cascade.training import checkpoint
+    from megatron_cascade.training import resume_checkpoint as checkpoint
 
     if dist.get_rank() == 0:
         os.makedirs(os.path.join(root, "step_000002"))
@@ -179,7 +179,7 @@ def _nonfinite_worker(root: str) -> dict:
 
     from megatron_cascade.model import CheckpointError, initialize_model_parallel
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import save_final_weights
+    from megatron_cascade.training.resume_checkpoint import save_final_weights
     from megatron_cascade.training.policy import unwrap
 
     layout = ParallelConfig(tensor_model_parallel_size=2)
@@ -232,7 +232,7 @@ def _every_byte_worker(root: str) -> dict:
 
     from megatron_cascade.model import CheckpointError, initialize_model_parallel, load_model_weights
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import agreed_latest, save_final_weights, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import agreed_latest, save_final_weights, save_training_checkpoint
 
     initialize_model_parallel(ParallelConfig(), seed=5)
     policy = build_policy(WIDE, ParallelConfig(), OptimizerConfig(), total_steps=4)

@@ -21,7 +21,7 @@ from cascade_fixtures import TINY, read_manifest, run_cli
 from megatron_cascade.cascade.manifest import Manifest
 from megatron_cascade.cascade.resume_check import check_resume
 from megatron_cascade.config import ConfigError, load_config, to_yaml
-from megatron_cascade.training.checkpoint import read_latest
+from megatron_cascade.training.resume_checkpoint import read_latest
 
 CONFIG = """
 defaults: [{tiny}]

@@ -13,7 +13,7 @@ from cascade_fixtures import TINY, run_cli
 
 from megatron_cascade.cascade.manifest import checkpoint_root, stage_status
 from megatron_cascade.cascade.runtime import EXIT_REQUEUE
-from megatron_cascade.training.checkpoint import read_latest
+from megatron_cascade.training.resume_checkpoint import read_latest
 
 CONFIG = """
 defaults: [{tiny}]

@@ -44,7 +44,7 @@ class _Payload:
 def _save_worker(root: str) -> None:
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import save_training_checkpoint
 
     initialize_model_parallel(ParallelConfig(), seed=5)
     save_training_checkpoint(root, 1, build_policy(MODEL, ParallelConfig(), OPTIM, total_steps=2), {}, 1)
@@ -139,7 +139,7 @@ def _load_worker(cases: list[tuple[str, str, str]]) -> dict[str, str]:
     from megatron_cascade.stages.teachers import TeacherPool
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint
     from megatron_cascade.training.policy import load_policy_weights
 
     initialize_model_parallel(ParallelConfig(), seed=5)

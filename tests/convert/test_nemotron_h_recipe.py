@@ -13,7 +13,7 @@ from test_nemotron_h_units import NANO
 from megatron_cascade import cli
 from megatron_cascade.config import load_config
 from megatron_cascade.convert import model_config_from_hf
-from megatron_cascade.model.checkpoint import architecture_of
+from megatron_cascade.model.weights_checkpoint import architecture_of
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "nemotron_cascade2"
 NANO_CASCADE = RECIPE / "nemotron_3_nano" / "cascade.yaml"

@@ -10,7 +10,7 @@ import time
 if __name__ == "__main__":
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_cascade.model import checkpoint
+    from megatron_cascade.model import weights_checkpoint as checkpoint
 
     received = []
     signal.signal(signal.SIGTERM, lambda *_: received.append(1))  # the trainer's handler: note, stop later

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_cascade.config import ModelConfig, MoEConfig
-from megatron_cascade.model.checkpoint import MODEL_CONFIG_FILE, CheckpointError, architecture_of, check_architecture
+from megatron_cascade.model.weights_checkpoint import MODEL_CONFIG_FILE, CheckpointError, architecture_of, check_architecture
 
 MOE = ModelConfig(moe=MoEConfig(num_experts=4, router_topk=2))
 # Fields added to MoEConfig after checkpoints were already written by earlier versions.

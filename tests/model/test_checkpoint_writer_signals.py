@@ -23,7 +23,7 @@ def test_sigterm_bursts_while_the_writer_starts_leave_it_running():
 
 _TRAINER = """
 import sys, time
-from megatron_cascade.model import checkpoint
+from megatron_cascade.model import weights_checkpoint as checkpoint
 checkpoint._signal_safe_writer_queue()
 print(checkpoint._MANAGERS[0]._process.pid, flush=True)
 time.sleep(120)

@@ -49,9 +49,9 @@ def _train(policy, steps) -> None:
 
 def _run_worker(parallel: ParallelConfig, root: str, final: str, resume: bool):
     from megatron_cascade.model import initialize_model_parallel, save_model_weights
-    from megatron_cascade.model.checkpoint import _stored_metadata
+    from megatron_cascade.model.weights_checkpoint import _stored_metadata
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     initialize_model_parallel(parallel, seed=5)
     policy = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)

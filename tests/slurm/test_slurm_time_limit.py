@@ -16,7 +16,7 @@ from cluster import REPO
 from test_slurm_real_trainer import log_of, real_trainer_cmd, wait_for
 
 from megatron_cascade.cascade.manifest import checkpoint_root
-from megatron_cascade.training.checkpoint import read_latest
+from megatron_cascade.training.resume_checkpoint import read_latest
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -59,7 +59,7 @@ def _run_worker(parallel: ParallelConfig, root: str, final: str, resume: bool):
     """Save run (``resume=False``): 2 steps, checkpoint, 2 steps. Resumed run: load, the last 2 steps."""
     from megatron_cascade.model import initialize_model_parallel, save_model_weights
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     initialize_model_parallel(parallel, seed=5)
     policy = build_policy(MODEL, parallel, OPTIM, total_steps=STEPS)
@@ -97,7 +97,7 @@ def test_resume_at_another_layout_continues_like_an_uninterrupted_run(tmp_path, 
 def _kind_mismatch_worker(root: str) -> str:
     from megatron_cascade.model import CheckpointError, initialize_model_parallel
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     initialize_model_parallel(ParallelConfig(), seed=5)
     save_training_checkpoint(root, 1, build_policy(MODEL, ParallelConfig(), OPTIM, total_steps=STEPS), {}, 1)
@@ -118,7 +118,7 @@ def test_plain_optimizer_checkpoint_is_refused_by_the_distributed_optimizer_nami
 def _overlap_worker(root: str):
     from megatron_cascade.model import build_gpt_model, initialize_model_parallel, load_model_weights
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import save_training_checkpoint
     from megatron_cascade.training.policy import finish_param_sync
 
     parallel = ParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
@@ -143,7 +143,7 @@ def _same_process_resume_worker(parallel: ParallelConfig, model: ModelConfig, ro
     """One policy saves after ``steps_before`` steps, a second one loads that; both train 2 more steps."""
     from megatron_cascade.model import initialize_model_parallel
     from megatron_cascade.training import build_policy
-    from megatron_cascade.training.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     initialize_model_parallel(parallel, seed=5)
     uninterrupted = build_policy(model, parallel, OPTIM, total_steps=STEPS)

@@ -31,7 +31,7 @@ import torch
 
 from megatron_cascade.checkpoint_safety.integrity import check_record, damage, fsync_path, fsync_tree
 from megatron_cascade.model import CheckpointError, save_model_weights
-from megatron_cascade.model.checkpoint import _barrier, _rank, gathered_record, verify_files, write_file_record
+from megatron_cascade.model.weights_checkpoint import _barrier, _rank, gathered_record, verify_files, write_file_record
 from megatron_cascade.training.optimizer_checkpoint import load_optimizer_state, save_optimizer_state
 from megatron_cascade.training.policy import Policy, finish_param_sync, load_policy_weights, unwrap
 
