@@ -2,8 +2,8 @@
 later stages forget little (next to a mixed-RL baseline with the same steps and data), and MOPD
 reaches its teachers' scores in fewer steps than GRPO from the same weights.
 
-    python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims            # runs, then prints
-    python benchmarks/claims.py --seeds 1234 1 2 --out outputs/claims --no-run   # print finished runs
+    python benchmarks/claims.py --seeds 1234 1 2 3 4 --out outputs/claims            # runs, then prints
+    python benchmarks/claims.py --seeds 1234 1 2 3 4 --out outputs/claims --no-run   # print finished runs
 
 Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and the RL stage of ``mixed.yaml`` from that
 cascade's SFT weights (the same start, so only the RL schedule differs; ``seed=<s>``; a finished run
@@ -13,7 +13,11 @@ is skipped, an interrupted one resumes) and prints, mean ± standard error over 
 2. each GRPO stage's gain on its own domains, in units of the eval's standard error (over prompts);
 3. the cascade's final scores next to the mixed baseline's;
 4. MOPD vs GRPO: stage steps until the held-out score is within 0.03 of the teacher (the step of the
-   first periodic eval at that level, ``eval.every_steps``; "-" = not within the stage).
+   first periodic eval at that level, ``eval.every_steps``; "-" = not within the stage);
+
+and writes ``<out>/claims.png``: per domain, bars of the SFT score, the domain's own GRPO stage, the
+cascade's end and mixed RL's end; per MOPD domain, the MOPD and GRPO held-out curves (mean with a ± SE
+band over seeds) against the teacher's level.
 
 The seed changes the weights' initialisation, the prompt order and the sampling; the data splits are
 the committed ones. Extra arguments are config overrides for both runs.
@@ -246,7 +250,7 @@ def stage_domains(config: Path, overrides: list[str]) -> dict[str, list[str]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2, 3, 4])
     parser.add_argument("--out", default=str(ROOT / "outputs" / "claims"))
     parser.add_argument("--no-run", action="store_true", help="only print the tables of finished runs")
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed-RL baseline")
