@@ -13,7 +13,8 @@ is skipped, an interrupted one resumes) and prints, mean ± standard error over 
 2. each GRPO stage's gain on its own domains, in units of the eval's standard error (over prompts);
 3. the cascade's final scores next to the mixed baseline's;
 4. MOPD vs GRPO: stage steps until the held-out score is within 0.03 of the teacher (the step of the
-   first periodic eval at that level, ``eval.every_steps``; "-" = not within the stage);
+   first periodic eval at that level, ``eval.every_steps``; "-" = not within the stage), and MOPD's
+   score minus GRPO's (paired per seed) at the middle of the stage and at its end;
 
 and writes ``<out>/claims.png``: per domain, bars of the SFT score, the domain's own GRPO stage, the
 cascade's end and mixed RL's end; per MOPD domain, the MOPD and GRPO held-out curves (mean with a ± SE
@@ -122,33 +123,42 @@ def gains_table(runs: list[list[StageResult]], domains_of: dict[str, list[str]])
     return lines
 
 
-def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]],
+def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]], mixed_outs: list[str],
                 domains_of: dict[str, list[str]]) -> list[str]:
     """Per domain: the SFT score, the cascade's score right after the GRPO stage for that domain alone,
-    at the cascade's end (what later stages left of it), and the mixed run's end."""
+    at the cascade's end (what later stages left of it) and mixed RL's end; then each run's drop from
+    the domain's own best (cascade: its own stage; mixed: its best periodic eval), paired per seed."""
     domains = sorted({d for r in cascades[0] for d in r.scores})
-    lines = [f"{'domain':<24}{'SFT':>12}{'own stage':>22}{'cascade end':>14}{'mixed RL end':>14}"]
+    lines = [f"{'domain':<24}{'SFT':>12}{'own stage':>22}{'cascade end':>14}{'mixed RL end':>14}"
+             f"{'cascade drop':>14}{'mixed drop':>12}"]
+    mixed_curves = [eval_curves(out) for out in mixed_outs]
     for d in domains:
         own = next((i for i, r in enumerate(cascades[0]) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
         sft = [run_[0].scores[d] for run_ in cascades if d in run_[0].scores]
         after = [run_[own].scores[d] for run_ in cascades] if own is not None else []
         end = [run_[-1].scores[d] for run_ in cascades if d in run_[-1].scores]
         mix = [run_[-1].scores[d] for run_ in mixed if d in run_[-1].scores]
+        best = [max(score for step, score in curves[run_[-1].name][d] if step > 0)  # step 0: its start
+                for run_, curves in zip(mixed, mixed_curves) if d in curves.get(run_[-1].name, {})]
         label = f"{mean_se(after)} ({cascades[0][own].name})" if own is not None else "-"
-        lines.append(f"{d:<24}{mean_se(sft):>12}{label:>22}{mean_se(end):>14}{mean_se(mix):>14}")
+        cascade_drop = [a - e for a, e in zip(after, end)]
+        mixed_drop = [b - e for b, e in zip(best, mix)]
+        lines.append(f"{d:<24}{mean_se(sft):>12}{label:>22}{mean_se(end):>14}{mean_se(mix):>14}"
+                     f"{mean_se(cascade_drop):>14}{mean_se(mixed_drop):>12}")
     return lines
 
 
 def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
     """Steps to teacher level (within TOLERANCE) for each MOPD stage and the GRPO stage that starts
     from the same weights on the same domains."""
-    lines = [f"{'domain':<24}{'teacher':>10}{'MOPD steps':>12}{'GRPO steps':>12}{'MOPD end':>10}{'GRPO end':>10}"]
+    lines = [f"{'domain':<24}{'teacher':>10}{'MOPD steps':>12}{'GRPO steps':>12}{'MOPD end':>10}{'GRPO end':>10}"
+             f"{'MOPD - GRPO, mid':>18}{'end':>12}"]
     first = runs[0]
     for mopd in (s for s in first if s.teachers):
         grpo = next((s for s in first if s.type == "grpo" and s.start == mopd.start
                      and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
         for d, teacher in sorted(mopd.teachers.items()):
-            cols = {"teacher": [], "mopd": [], "grpo": [], "mopd_end": [], "grpo_end": []}
+            cols = {"teacher": [], "mopd": [], "grpo": [], "mopd_end": [], "grpo_end": [], "mid": [], "end": []}
             for out, run_ in zip(outs, runs):
                 by_name = {r.name: r for r in run_}
                 level = by_name[teacher].scores[d]
@@ -159,12 +169,17 @@ def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dic
                 if grpo is not None:
                     cols["grpo_end"].append(by_name[grpo.name].scores[d])
                     cols["grpo"].append(steps_to_level(curves.get(grpo.name, {}).get(d, []), level, TOLERANCE))
+                    cols["end"].append(cols["mopd_end"][-1] - cols["grpo_end"][-1])
+                    mid = _midpoint_difference(curves.get(mopd.name, {}).get(d, []), curves.get(grpo.name, {}).get(d, []))
+                    if mid is not None:
+                        cols["mid"].append(mid)
 
             def steps(values: list[Optional[int]]) -> str:
                 return " ".join("-" if v is None else str(v) for v in values) or "n/a"
 
             lines.append(f"{d:<24}{mean_se(cols['teacher']):>10}{steps(cols['mopd']):>12}{steps(cols['grpo']):>12}"
-                         f"{mean_se(cols['mopd_end']):>10}{mean_se(cols['grpo_end']):>10}")
+                         f"{mean_se(cols['mopd_end']):>10}{mean_se(cols['grpo_end']):>10}"
+                         f"{mean_se(cols['mid'], signed=True):>18}{mean_se(cols['end'], signed=True):>12}")
         lines.append(f"(MOPD stage {mopd.name!r}, GRPO stage {grpo.name if grpo else None!r}, both from "
                      f"{mopd.start!r}; steps per seed)")
     return lines
@@ -240,6 +255,15 @@ def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult
     return path
 
 
+def _midpoint_difference(mopd: list[tuple[int, float]], grpo: list[tuple[int, float]]) -> Optional[float]:
+    """MOPD's score minus GRPO's at the periodic eval nearest the middle of the stage (both curves')."""
+    common = sorted(set(dict(mopd)) & set(dict(grpo)) - {0})
+    if not common:
+        return None
+    middle = min(common, key=lambda step: abs(step - common[-1] / 2))
+    return dict(mopd)[middle] - dict(grpo)[middle]
+
+
 def stage_domains(config: Path, overrides: list[str]) -> dict[str, list[str]]:
     """stage name -> the domains it trains on (from the config)."""
     from megatron_cascade.config import load_config
@@ -274,7 +298,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if mixed:
         print("\nforgetting: the cascade vs mixed RL with the same GRPO steps and data\n")
-        print("\n".join(mixed_table(cascades, mixed, domains_of)))
+        print("\n".join(mixed_table(cascades, mixed, [o for o in mixed_outs if os.path.isfile(
+            os.path.join(o, "manifest.json"))], domains_of)))
     print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
     finished = [o for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     print("\n".join(mopd_vs_grpo(finished, cascades, domains_of)))

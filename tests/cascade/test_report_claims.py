@@ -102,6 +102,10 @@ def test_claims_tables_from_finished_runs(run_dir):
     lines = claims.mopd_vs_grpo([run_dir] * 2, runs, domains)
     a = next(line for line in lines if line.startswith("a "))
     assert "10 10" in a and "- -" in a  # MOPD within 0.03 of 0.80 at step 10; GRPO never
+    # MOPD minus GRPO, paired per seed: at step 5 (the stage's middle) 0.6 - 0.4, at the end 0.79 - 0.60
+    assert a.split()[-2:] == ["+0.20±0.00", "+0.19±0.00"], a
+    png = claims.write_claims_png(os.path.join(run_dir, "claims.png"), [run_dir] * 2, runs, [], domains)
+    assert os.path.getsize(png) > 10_000
 
 
 def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path):
@@ -116,10 +120,14 @@ def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path)
     manifest.record("stage_order", ["mixed_rl"])
     manifest.record_stage("mixed_rl", _stage("grpo", {"a": 0.55, "b": 0.50}, {"a": 0.03, "b": 0.03}))
     domains = {"sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]}
-    lines = claims.mixed_table([stage_results(run_dir)], [stage_results(str(mixed))], domains)
+    os.makedirs(mixed / "stages" / "mixed_rl")
+    (mixed / "stages" / "mixed_rl" / "metrics.jsonl").write_text(
+        json.dumps({"step": 5, "eval/a": 0.65, "eval/b": 0.45}) + "\n")  # its best on a, before its end
+    lines = claims.mixed_table([stage_results(run_dir)], [stage_results(str(mixed))], [str(mixed)], domains)
     a = next(line for line in lines if line.startswith("a "))
-    # SFT 0.30, after a_rl 0.80, cascade end (grpo_ref, the last stage) 0.60, mixed 0.55
-    assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.60", "0.55"]
+    # SFT 0.30, after a_rl 0.80, cascade end (grpo_ref, the last stage) 0.60, mixed 0.55; drops from
+    # each run's own best: the cascade 0.80 - 0.60, mixed 0.65 - 0.55
+    assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.60", "0.55", "0.20", "0.10"]
 
 
 def test_the_curve_panel_compares_mopd_with_grpo_from_the_same_start(run_dir):
