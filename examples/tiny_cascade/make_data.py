@@ -10,10 +10,12 @@ object per line::
 
 Reward fields (what ``megatron_cascade.rewards.get_reward(domain)`` reads):
 
-* math: ``"answer"`` -- "a+b=" -> "c", a three-digit a plus a one-digit b that carries (math-verify);
+* math: ``"answer"`` -- "a+b=" -> "c", two four-digit numbers whose sum carries three times
+  ("4357+2285=" -> "6642"; math-verify);
 * instruction_following: ``"instructions"`` -- IFEval ids with kwargs; the score is the fraction
-  followed (e.g. "say cat in caps" -> "CAT": change_case:english_capital + keywords:existence);
-  800 words x 5 formats, split by (word, format) pair;
+  followed, or all-or-nothing as cascade.yaml scores it ("say cat dog in caps and end with ok" ->
+  "CAT DOG OK": change_case:english_capital + keywords:existence x 2 + startend:end_checker; or
+  "... in caps in quotes" -> '"CAT DOG"'); pairs of 800 words;
 * code: ``"tests"`` -- stdin -> stdout checks of the last ```python block (all must pass).
 
 ``--long`` writes the long-context task instead (``examples/tiny_cascade/long.yaml``):
@@ -55,11 +57,13 @@ N_WORDS = 800
 CODE_K_MAX = 1000
 
 
-# Each item is (prompt, right response, habitual response, reward fields). The SFT teacher has a habit:
-# it gives the right response to SFT_FOLLOWS of its rows and the habitual mistake to the others, so
-# the SFT policy knows both behaviours and picks the right one about a third of the time on any prompt
-# (pass@1 low, pass@8 high). The choice does not depend on the prompt, so what RL learns on its
-# prompts (drop the habit) carries over to held-out prompts of the same task.
+# Each item is (prompt, render, decisions, reward fields): ``render(follows)`` is the response with
+# each of its ``decisions`` right or habitual as ``follows`` says. The SFT teacher has a habit: each
+# decision of an SFT row is right with probability SFT_FOLLOWS[domain], on its own, so the SFT policy
+# knows both behaviours at every place and gets a whole answer right rarely (pass@1 low, pass@8 high).
+# The choice does not depend on the prompt, so what RL learns on its prompts (drop the habit) carries
+# over to held-out prompts of the same task. Math and IF answers hold three decisions: a sequence
+# reward is right only when all are, while a teacher's per-token signal scores each where it is.
 
 def _digit_pairs(low: int = 0) -> list[tuple[int, int]]:
     """Digit pairs (x, y), x, y >= ``low``, whose sum carries (>= 10)."""
