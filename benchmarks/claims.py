@@ -151,7 +151,7 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
 def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
     """Steps to teacher level (within TOLERANCE) for each MOPD stage and the GRPO stage that starts
     from the same weights on the same domains."""
-    lines = [f"{'domain':<24}{'teacher':>10}{'MOPD steps':>12}{'GRPO steps':>12}{'MOPD end':>10}{'GRPO end':>10}"
+    lines = [f"{'domain':<24}{'teacher':>12}{'MOPD steps':>18}{'GRPO steps':>18}{'MOPD end':>12}{'GRPO end':>12}"
              f"{'MOPD - GRPO, mid':>18}{'end':>12}"]
     first = runs[0]
     for mopd in (s for s in first if s.teachers):
@@ -177,8 +177,8 @@ def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dic
             def steps(values: list[Optional[int]]) -> str:
                 return " ".join("-" if v is None else str(v) for v in values) or "n/a"
 
-            lines.append(f"{d:<24}{mean_se(cols['teacher']):>10}{steps(cols['mopd']):>12}{steps(cols['grpo']):>12}"
-                         f"{mean_se(cols['mopd_end']):>10}{mean_se(cols['grpo_end']):>10}"
+            lines.append(f"{d:<24}{mean_se(cols['teacher']):>12}{steps(cols['mopd']):>18}{steps(cols['grpo']):>18}"
+                         f"{mean_se(cols['mopd_end']):>12}{mean_se(cols['grpo_end']):>12}"
                          f"{mean_se(cols['mid'], signed=True):>18}{mean_se(cols['end'], signed=True):>12}")
         lines.append(f"(MOPD stage {mopd.name!r}, GRPO stage {grpo.name if grpo else None!r}, both from "
                      f"{mopd.start!r}; steps per seed)")
@@ -231,7 +231,7 @@ def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult
     bars.set_xticks(range(len(domains)), domains, rotation=10)
     bars.set_ylim(0, 1)
     bars.set_ylabel("held-out score")
-    bars.set_title(f"cascade vs mixed RL ({len(cascades)} seeds, ± SE)")
+    bars.set_title(f"cascade ({len(cascades)} seeds) vs mixed RL ({len(mixed)} seeds), ± SE")
     bars.legend(fontsize=7)
     all_curves = [eval_curves(out) for out in outs]
     for ax, domain in zip(axes[0][1:], taught):
