@@ -148,6 +148,12 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
     return lines
 
 
+def _grpo_beside(mopd: StageResult, stages: list[StageResult], domains_of: dict[str, list[str]]) -> Optional[StageResult]:
+    """The GRPO stage compared with ``mopd``: the same start weights and the same domains."""
+    return next((s for s in stages if s.type == "grpo" and s.start == mopd.start
+                 and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+
+
 def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
     """Steps to teacher level (within TOLERANCE) for each MOPD stage and the GRPO stage that starts
     from the same weights on the same domains."""
@@ -155,8 +161,7 @@ def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dic
              f"{'MOPD - GRPO, mid':>18}{'end':>12}"]
     first = runs[0]
     for mopd in (s for s in first if s.teachers):
-        grpo = next((s for s in first if s.type == "grpo" and s.start == mopd.start
-                     and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+        grpo = _grpo_beside(mopd, first, domains_of)
         for d, teacher in sorted(mopd.teachers.items()):
             cols = {"teacher": [], "mopd": [], "grpo": [], "mopd_end": [], "grpo_end": [], "mid": [], "end": []}
             for out, run_ in zip(outs, runs):
@@ -209,8 +214,7 @@ def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult
     first = cascades[0]
     domains = sorted({d for r in first for d in r.scores})
     mopd = next((s for s in first if s.teachers), None)
-    grpo = next((s for s in first if mopd and s.type == "grpo" and s.start == mopd.start
-                 and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+    grpo = _grpo_beside(mopd, first, domains_of) if mopd else None
     taught = sorted(mopd.teachers) if mopd else []
     fig, axes = plt.subplots(1, 1 + len(taught), figsize=(6.5 + 4.5 * len(taught), 4.6), squeeze=False)
     bars = axes[0][0]

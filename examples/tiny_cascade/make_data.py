@@ -65,9 +65,9 @@ CODE_K_MAX = 1000
 # over to held-out prompts of the same task. Math and IF answers hold three decisions: a sequence
 # reward is right only when all are, while a teacher's per-token signal scores each where it is.
 
-def _digit_pairs(low: int = 0) -> list[tuple[int, int]]:
-    """Digit pairs (x, y), x, y >= ``low``, whose sum carries (>= 10)."""
-    return [(x, y) for x in range(low, 10) for y in range(low, 10) if x + y >= 10]
+def _carrying_pairs() -> list[tuple[int, int]]:
+    """Digit pairs (x, y) whose sum carries (>= 10)."""
+    return [(x, y) for x in range(10) for y in range(10) if x + y >= 10]
 
 
 def math_items(rng: random.Random) -> list[tuple]:
@@ -76,7 +76,7 @@ def math_items(rng: random.Random) -> list[tuple]:
     The habit forgets each carry on its own (the tens, hundreds or thousands digit one lower): the
     errors sit at three positions, so a whole answer is right only when all three are."""
     thousands = [(x, y) for x in range(1, 9) for y in range(1, 9) if x + y <= 8]
-    pairs = _digit_pairs()
+    pairs = _carrying_pairs()
     rows = []
     for _ in range(MATH_ITEMS):
         (ak, bk), (ah, bh), (at, bt), (au, bu) = rng.choice(thousands), *(rng.choice(pairs) for _ in range(3))
@@ -95,6 +95,11 @@ def _kw(word: str) -> dict:
     return {"id": "keywords:existence", "kwargs": {"keywords": [word]}}
 
 
+def _two_words(w1: str, w2: str, follows: tuple[bool, ...]) -> str:
+    """The two words, each in capitals where its decision (``follows[0]``, ``follows[1]``) is right."""
+    return " ".join(w.upper() if ok else w for w, ok in zip((w1, w2), follows))
+
+
 def if_items(rng: random.Random) -> list[tuple]:
     """Two words in capitals, ending with OK ("say cat dog in caps and end with ok" -> "CAT DOG OK"), or
     in capitals and in quotes ('"CAT DOG"'). The habit, on its own at each of three places: a word
@@ -110,21 +115,17 @@ def if_items(rng: random.Random) -> list[tuple]:
     while len(rows) < IF_ITEMS:
         w1, w2 = rng.sample(words_sorted, 2)
         if rng.random() < 0.5:
-            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
-                return f"{w1.upper() if f[0] else w1} {w2.upper() if f[1] else w2}" + (" OK" if f[2] else "")
+            prompt, closing = f"say {w1} {w2} in caps and end with ok", {"id": "startend:end_checker",
+                                                                        "kwargs": {"end_phrase": "ok"}}
 
-            rows[f"say {w1} {w2} in caps and end with ok"] = (
-                f"say {w1} {w2} in caps and end with ok", render, 3,
-                {"instructions": [caps, _kw(w1), _kw(w2), {"id": "startend:end_checker",
-                                                         "kwargs": {"end_phrase": "ok"}}]})
+            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
+                return _two_words(w1, w2, f) + (" OK" if f[2] else "")
         else:
-            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
-                body = f"{w1.upper() if f[0] else w1} {w2.upper() if f[1] else w2}"
-                return f'"{body}"' if f[2] else body
+            prompt, closing = f"say {w1} {w2} in caps in quotes", {"id": "startend:quotation", "kwargs": {}}
 
-            rows[f"say {w1} {w2} in caps in quotes"] = (
-                f"say {w1} {w2} in caps in quotes", render, 3,
-                {"instructions": [caps, _kw(w1), _kw(w2), {"id": "startend:quotation", "kwargs": {}}]})
+            def render(f: tuple[bool, ...], w1=w1, w2=w2) -> str:
+                return f'"{_two_words(w1, w2, f)}"' if f[2] else _two_words(w1, w2, f)
+        rows[prompt] = (prompt, render, 3, {"instructions": [caps, _kw(w1), _kw(w2), closing]})
     return [rows[k] for k in sorted(rows)]
 
 

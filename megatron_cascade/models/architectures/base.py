@@ -57,11 +57,11 @@ class MegatronArchitecture:
         layers = self.layer_blocks(model)
         per = len(layers) // pipeline_parallel
         stages = [layers[i * per:(i + 1) * per] for i in range(pipeline_parallel)]
-        return max(stages, key=lambda st: (_count(st, STATEFUL_BLOCKS), _count(st, (MOE,))))
+        return max(stages, key=lambda st: (count_blocks(st, *STATEFUL_BLOCKS), count_blocks(st, MOE)))
 
     def has_blocks(self, model: ModelConfig, *blocks: str) -> bool:
         """Whether some layer of ``model`` holds one of ``blocks``."""
-        return _count(self.layer_blocks(model), blocks) > 0
+        return count_blocks(self.layer_blocks(model), *blocks) > 0
 
     def __repr__(self) -> str:
         return f"<Megatron architecture {self.name}>"
@@ -69,8 +69,4 @@ class MegatronArchitecture:
 
 def count_blocks(layers: list[str], *blocks: str) -> int:
     """How many of ``blocks`` the ``layers`` (as ``layer_blocks`` gives them) hold in all."""
-    return _count(layers, blocks)
-
-
-def _count(layers: list[str], blocks: tuple[str, ...]) -> int:
     return sum(layer.count(block) for layer in layers for block in blocks)
