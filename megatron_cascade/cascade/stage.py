@@ -40,6 +40,7 @@ from megatron_cascade.training.resume_checkpoint import (
 from megatron_cascade.rollout.replica_groups import GenerationReplica
 from megatron_cascade.training.decode_copy import DecodeCopy
 from megatron_cascade.training.policy import finish_param_sync, load_policy_weights
+from megatron_cascade.training.state_offload import TrainingStateOffload
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class StageRunner:
         # The lr schedule counts optimizer steps: ppo_epochs of them per stage step.
         optimizer_steps = self.stage.steps * self.stage.training.ppo_epochs
         self.policy = build_policy(self.cfg.model, self.cfg.parallel, self.stage.optimizer, optimizer_steps)
+        self.state_offload = TrainingStateOffload(self.policy)
         self.start_path = start_weights(self.ctx, self.index)
         if self.start_path is not None:
             load_policy_weights(self.policy, self.start_path)  # fp32 masters too, not only the model
@@ -169,21 +171,29 @@ class StageRunner:
 
     def generation_replica(self) -> GenerationReplica:
         """What generates this stage's rollouts and evaluations, holding the policy's current weights:
-        the decode copy at ``rollout.parallel`` (refit now; collective), else the policy itself."""
+        the decode copy at ``rollout.parallel`` (refit now; collective), else the policy itself. With
+        ``rollout.offload_training_state`` the policy's gradients and optimizer state go to host
+        memory until ``generation_done``."""
         finish_param_sync(self.policy)  # generation reads the weights of the last step
         decode = self.stage.rollout.parallel
         if decode is None:
-            return GenerationReplica.training(self.policy.module)
-        copy = self._decode_copy()
-        copy.refit(self.policy)
-        self.refit_seconds += copy.refit_seconds
-        return copy.replica
+            replica = GenerationReplica.training(self.policy.module)
+        else:
+            copy = self._decode_copy()
+            copy.refit(self.policy)
+            self.refit_seconds += copy.refit_seconds
+            replica = copy.replica
+        if self.stage.rollout.offload_training_state:
+            self.state_offload.offload()
+        return replica
 
     def generation_done(self) -> None:
-        """Generation is over until the next step or evaluation: free the decode copy's weights
-        (training takes the memory; the next ``generation_replica`` refits them)."""
+        """Generation is over until the next step or evaluation: the training state comes back, the
+        decode copy's weights are freed (training takes the memory; the next ``generation_replica``
+        refits them)."""
         if self.stage.rollout.parallel is not None:
             self._decode_copy().release()
+        self.state_offload.restore()
 
     def _decode_copy(self) -> DecodeCopy:
         rollout = self.stage.rollout
@@ -233,7 +243,7 @@ class StageRunner:
 
     def _step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        self.refit_seconds = 0.0
+        self.refit_seconds = self.state_offload.seconds = 0.0
         made = self.kind.make_batch(step, self.my_share(step))
         train_start = time.perf_counter()
         metrics = optimize_on_batch(self.policy, made.batch, self.spec, self.stage.training)
@@ -244,6 +254,8 @@ class StageRunner:
         metrics.update(made.timing)
         if self.stage.rollout.parallel is not None and stage_type(self.stage.type).generates:
             metrics["time/refit_s"] = self.refit_seconds
+        if self.stage.rollout.offload_training_state and stage_type(self.stage.type).generates:
+            metrics["time/offload_s"] = self.state_offload.seconds
         metrics["time/step_s"] = elapsed
         tokens = metrics.pop("tokens_processed")
         metrics["throughput/tokens_per_s"] = tokens / elapsed

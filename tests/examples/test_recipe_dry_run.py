@@ -112,12 +112,17 @@ def test_recipe_fits_80_gib(capsys):
     assert code == 0, out + err
     assert "WARNING" not in out, out
     peaks = {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +peak +([\d.]+) GiB", out, re.M)}
-    at_once = {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +peak .*? = ([\d.]+)/GPU", out, re.M)}
+    at_once = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in
+               re.finditer(r"^  (\w+) +peak .*? of (\d+) samples at once = ([\d.]+)/GPU", out, re.M)}
     assert len(peaks) == len(at_once) == 7 and max(peaks.values()) <= 78.0, peaks
-    # Issue 24's target: >= 16 samples decoding at once per GPU where the batch allows (not MOPD's 8
-    # local samples per GPU, nor code RL's 121K-token responses: 2.9 GiB of KV each per GPU).
-    for stage in ("if_rl", "multi_domain_rl", "long_context_rl", "rlhf"):
-        assert at_once[stage] >= 16, at_once
+    # Issue 24's target: >= 16 samples decoding at once per GPU, or every local sample where the batch
+    # has fewer (MOPD: 8 per GPU). Not code RL: at its expected length a 121K-token response holds
+    # 5.7 GiB of bf16 KV, so 16 of them per GPU would need 91 GiB at any TP (each GPU holds 1/TP of
+    # the KV of TP times as many samples).
+    for stage, (local, per_gpu) in at_once.items():
+        if stage != "code_rl":
+            assert per_gpu >= min(16, local / 2), at_once  # a decode replica is two GPUs (TP=2)
+    assert "parked training state" in out  # grads and optimizer state wait on the host while generating
 
 
 def test_per_stage_files_match_the_full_cascade():

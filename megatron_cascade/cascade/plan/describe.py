@@ -36,10 +36,14 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
     frozen = ""
     if mem.frozen:
         frozen = f" + {'teacher' if stage_type(stage.type).teachers else 'kl-reference'} {mem.frozen:.1f}"
-    host = f"; host: {mem.host_teachers:.1f} GiB/node of offloaded teachers" if mem.host_teachers else ""
+    on_host = [f"{gib:.1f} GiB/node of {what}" for gib, what in
+               ((mem.host_teachers, "offloaded teachers"), (mem.host_training_state, "parked training state"))
+               if gib]
+    host = f"; host: {', '.join(on_host)}" if on_host else ""
     copy = f"decode copy {mem.decode_copy:.1f} + " if mem.decode_layout is not None else ""
+    parked = f" - grads and optimizer on host {mem.parked:.1f}" if mem.parked else ""
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max({copy}generation "
-            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}], training {mem.training:.1f} [activations "
+            f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}]{parked}, training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]) + runtime "
             f"{mem.overhead:.1f}{host}")
 
@@ -84,8 +88,8 @@ def describe_plan(cfg: RunConfig) -> str:
             lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
                          f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory{graphs})")
     load = routed_load(cfg, layout)
-    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation, training) "
-                 "+ runtime overhead" + (f"; routed experts at {load:g}x the mean load" if load > 1 else "") + "):")
+    lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation [- parked "
+                 "training state], training) + runtime overhead" + (f"; routed experts at {load:g}x the mean load" if load > 1 else "") + "):")
     warnings = []
     for s in stages:
         plan = stage_memory(cfg, layout, s)

@@ -33,6 +33,13 @@ class StageMemory:
     generation_plan: Optional[GenerationPlan] = None  # generating stages
     decode_copy: float = 0.0  # the decode copy's weights (rollout.parallel), resident; refit per step
     decode_layout: Optional[Layout] = None
+    parked: float = 0.0  # of static: grads + optimizer state in host memory while generating
+    gpus_per_node: int = 1
+
+    @property
+    def host_training_state(self) -> float:
+        """GiB per node of parked training state (``rollout.offload_training_state``)."""
+        return self.parked * self.gpus_per_node
 
     @property
     def training(self) -> float:
@@ -40,8 +47,10 @@ class StageMemory:
 
     @property
     def peak(self) -> float:
-        # The decode copy holds its weights while generating only (released for training, refit after).
-        return self.static + self.frozen + max(self.decode_copy + self.generation, self.training) + self.overhead
+        # The decode copy holds its weights while generating only (released for training, refit after);
+        # the parked training state is back for training only.
+        generating = self.decode_copy + self.generation - self.parked
+        return self.static + self.frozen + max(generating, self.training) + self.overhead
 
 
 def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageMemory:
@@ -62,19 +71,24 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     frozen_weights = e * (dense + expert)
     with_reference = kind.kl_reference and stage.loss.kl_coef > 0
     frozen = frozen_weights if (with_reference or kind.teachers) else 0.0
-    static = memory_per_gpu(cfg, layout.world_size)["total_gib"] * GIB
-    kv = generation = copy = 0.0
+    state = memory_per_gpu(cfg, layout.world_size)
+    static = state["total_gib"] * GIB
+    kv = generation = copy = parked = 0.0
     gen = decode = None
     if kind.generates:
         # A decode layout generates on its own copy of the weights (no optimizer state); the training
-        # state stays resident beside it.
+        # model's weights stay beside it, its grads and optimizer state too unless parked on the host.
         decode = check_decode_layout(cfg, stage, layout.world_size)
         if decode is not None:
             copy = decode_copy_bytes(cfg, decode)
-        free = cfg.cluster.gpu_memory_gib * GIB - static - copy - frozen - cfg.cluster.runtime_overhead_gib * GIB
+        if stage.rollout.offload_training_state:
+            parked = (state["grads_gib"] + state["optimizer_gib"]) * GIB
+        free = (cfg.cluster.gpu_memory_gib * GIB - static + parked - copy - frozen
+                - cfg.cluster.runtime_overhead_gib * GIB)
         gen = generation_plan(cfg, decode or layout, stage, free)
         kv, generation = gen.kv_cache, gen.kv_cache + gen.step
     distinct_teachers = len(set(stage.teachers.values())) if kind.teachers else 0
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
-                       host / GIB, cfg.cluster.runtime_overhead_gib, gen, copy / GIB, decode)
+                       host / GIB, cfg.cluster.runtime_overhead_gib, gen, copy / GIB, decode, parked / GIB,
+                       cfg.cluster.gpus_per_node)
