@@ -64,7 +64,7 @@ def mixed_from_sft(folder: str, cascade_out: str) -> Path:
                        f"samples_per_prompt: {s.samples_per_prompt}, domains: {dict(s.domains)}}}"
                        for n, s in zip(rl, [s for s in cfg.stages if s.type != "sft"]))
     path.write_text(f"defaults: [{EXAMPLE / 'mixed.yaml'}]\n"
-                    f"init_checkpoint: {os.path.join(cascade_out, 'stages', 'sft', 'final')}\n"
+                    f"init_checkpoint: {os.path.abspath(os.path.join(cascade_out, 'stages', 'sft', 'final'))}\n"
                     f"stages:\n{stages}\n")
     return path
 

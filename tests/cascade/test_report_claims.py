@@ -139,3 +139,22 @@ def test_the_curve_panel_compares_mopd_with_grpo_from_the_same_start(run_dir):
     curves = eval_curves(run_dir)
     assert set(curves) == {"mopd", "grpo_ref", "a_rl"}
     assert set(comparison(run_dir, curves)) == {"mopd", "grpo_ref"}
+
+
+def test_claims_mixed_config_starts_from_the_cascade_sft_with_a_relative_out(tmp_path, monkeypatch):
+    """``--out outputs/claims`` (relative, as the docstring runs it): the mixed config, written inside
+    that folder, must still name the cascade's SFT weights (a relative path there would be read
+    against the config's own folder: outputs/claims/outputs/claims/...)."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron_cascade.config import load_config
+
+    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    monkeypatch.chdir(tmp_path)
+    config = claims.mixed_from_sft(os.path.join("outputs", "claims", "mixed_seed1"),
+                                   os.path.join("outputs", "claims", "cascade_seed1"))
+    cfg = load_config(str(config))
+    assert cfg.init_checkpoint == str(tmp_path / "outputs" / "claims" / "cascade_seed1" / "stages" / "sft" / "final")
