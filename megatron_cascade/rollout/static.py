@@ -17,11 +17,13 @@ step together (``_ExpertLockstep``), as in the paged engine.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_cascade.cpu_runtime import device_rewrite_paused
 from megatron_cascade.rollout.batch import RolloutSample
 from megatron_cascade.rollout.comm import share_step
 from megatron_cascade.rollout.layout import PaddedBatch, left_pad
@@ -125,7 +127,11 @@ def _decode_loop(runner: StepRunner, batch: PaddedBatch, group: list[int], sampl
     for column in range(batch.prompt_width, batch.max_length):
         if lockstep is not None:
             lockstep.before_step()
-        logits = runner.step(column)
+        # Decode steps create no CUDA-device tensors once the prefill has allocated the static
+        # context (as in the paged engine): CPU mode's per-op rewriting steps aside for them.
+        first = column == batch.prompt_width
+        with contextlib.nullcontext() if first else device_rewrite_paused():
+            logits = runner.step(column)
         local = None
         if logits is not None:
             positions = torch.full_like(keys, column - batch.prompt_width)
