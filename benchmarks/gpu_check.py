@@ -24,6 +24,9 @@ CPU-side checkpoints the next checks load, written by a process without CUDA; if
                   schedule, RNG) saved, a step taken, the checkpoint loaded and the step redone: the
                   same weights bit for bit (where two redos of the step agree bit for bit; else within
                   their own spread: a non-deterministic backward kernel);
+  training_state_offload  the grads and optimizer state parked in pinned host memory after a step
+                  (rollout.offload_training_state): the device memory freed against their bytes, the
+                  round trip's seconds, and the next step equal to the step without parking;
   fp8_step, fp8_resume, fp8_reference, fp8_generation
                   FP8 (hybrid, delayed scaling; TE only, else SKIP): steps, a checkpoint's FP8 scales
                   restored bit for bit, the bf16-GEMM frozen copy (KL reference, teachers) vs the FP8
@@ -307,6 +310,53 @@ def check_optimizer_resume(policy, args: argparse.Namespace) -> Result:
     if not ok:
         detail = "the resumed step differs from the step without the round trip (beyond the redos' spread)"
     return Result("optimizer_resume", "PASS" if ok else "FAIL", detail, figures)
+
+
+def check_training_state_offload(policy, args: argparse.Namespace) -> Result:
+    """``rollout.offload_training_state`` after a step: the device memory parking the grads and the
+    optimizer state frees against their bytes, and the next step after bringing them back against the
+    same step without parking (from one saved checkpoint: bit for bit when the step reproduces, else
+    within twice the redo's spread)."""
+    import torch
+
+    from megatron_cascade.config.training import LossConfig, TrainingConfig
+    from megatron_cascade.training import LossSpec, train_step
+    from megatron_cascade.training.resume_checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_cascade.training.state_offload import TrainingStateOffload
+
+    batch, spec = train_batch(args), LossSpec("sft", LossConfig(), vocab_size=args.vocab)
+    training = TrainingConfig(micro_batch_size=max(1, args.batch // 2))
+    cuda = torch.cuda.is_available()
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for chunk in policy.chunks
+                for b in list(chunk.buffers) + list(chunk.expert_parallel_buffers))
+    offload = TrainingStateOffload(policy)
+    with tempfile.TemporaryDirectory() as root:
+        path = save_training_checkpoint(root, 1, policy, {}, keep_last=1)
+        after = []
+        for parked in (False, True, False):
+            load_training_checkpoint(path, policy)
+            if parked:
+                _sync()
+                before = torch.cuda.memory_allocated() if cuda else float("nan")
+                start = time.perf_counter()
+                offload.offload()
+                offload_s = time.perf_counter() - start
+                during = torch.cuda.memory_allocated() if cuda else float("nan")
+                expected = grads + offload.parked_bytes
+                start = time.perf_counter()
+                offload.restore()
+                restore_s = time.perf_counter() - start
+            train_step(policy, batch, spec, training)
+            after.append(flat_weights(policy))
+    diff, spread = (after[1] - after[0]).abs().max().item(), (after[2] - after[0]).abs().max().item()
+    freed = (before - during) / 2**30
+    figures = {"freed_gib": freed, "grads_and_optimizer_gib": expected / 2**30, "offload_s": offload_s,
+               "restore_s": restore_s, "max_diff_parked": diff, "max_diff_redo": spread}
+    same = diff == 0.0 if spread == 0.0 else diff <= 2 * spread
+    freed_ok = not cuda or freed >= 0.9 * expected / 2**30
+    detail = (f"parked {expected / 2**30:.2f} GiB (freed {freed:.2f} GiB on the device), back in {restore_s:.3f} s; "
+              f"the next step {'equals' if same else 'differs from'} the step without parking")
+    return Result("training_state_offload", "PASS" if same and freed_ok else "FAIL", detail, figures)
 
 
 def check_fused_logprob_head(policy, args: argparse.Namespace) -> Result:
@@ -618,6 +668,7 @@ def run_checks(args: argparse.Namespace, on_result: Optional[Callable[[Result], 
             loaded = flat_weights(policy) if results[-1].status == "PASS" else None
             results.append(guard("bf16_step", lambda: check_bf16_step(policy, loaded, init, args)))
             results.append(guard("optimizer_resume", lambda: check_optimizer_resume(policy, args)))
+            results.append(guard("training_state_offload", lambda: check_training_state_offload(policy, args)))
             results.append(guard("fused_logprob_head", lambda: check_fused_logprob_head(policy, args)))
             results.append(guard("packed_step", lambda: check_packed_step(policy, args)))
             results.append(guard("generation", lambda: check_generation(policy, args)))

@@ -7,7 +7,7 @@ moe_slice      the Qwen3-30B-A3B recipe's model (``examples/nemotron_cascade2/06
                the dry run's formula for the same shape (``cascade/plan/``). A sequence the formula
                says does not fit this GPU is SKIPped with the planned figure (so is the local spec's
                unfused [heads, s, s] attention at 32K). FAIL: a measured peak above the plan by more
-               than ``PLAN_MARGIN`` (the recipe is planned up to 77.7 of 80 GiB per GPU: the plan must
+               than ``PLAN_MARGIN`` (the recipe is planned up to 76.1 of 80 GiB per GPU: the plan must
                not be low), or a non-finite loss.
 hybrid_slice   the same for the Nemotron-3-Nano recipe's hybrid model (``nemotron_3_nano/cascade.yaml``)
                cut to the pattern ``HYBRID_SLICE_PATTERN`` (Mamba-2, MoE with a shared expert,

@@ -92,7 +92,7 @@ def test_checks_run_on_cpu_with_a_tiny_model(tmp_path):
     results = {r["name"]: r for r in json.loads(line[len("RESULTS"):])}
     printed = [x.split()[1] for x in res.stdout.splitlines() if x.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])]
     assert printed == list(results), res.stdout[-3000:]  # one line per check, in order
-    for name in ("moe_slice", "hybrid_slice", "cpu_writer", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "fused_logprob_head", "packed_step", "generation", "decode_copy",
+    for name in ("moe_slice", "hybrid_slice", "cpu_writer", "moe_checkpoint", "cpu_checkpoint", "bf16_step", "optimizer_resume", "training_state_offload", "fused_logprob_head", "packed_step", "generation", "decode_copy",
                  "decode_cuda_graphs", "nemotron_h_te"):
         assert results[name]["status"] == "PASS", results[name]
     for name in ("fp8_step", "fp8_resume", "fp8_reference", "fp8_generation"):  # Transformer Engine only
@@ -103,6 +103,8 @@ def test_checks_run_on_cpu_with_a_tiny_model(tmp_path):
     assert 0 < results["bf16_step"]["figures"]["rel_change_from_loaded"] < 0.1
     assert results["bf16_step"]["figures"]["tokens_per_s"] > 0
     assert results["optimizer_resume"]["figures"]["max_diff_resumed"] == 0.0, results["optimizer_resume"]
+    offload = results["training_state_offload"]["figures"]
+    assert offload["max_diff_parked"] == 0.0 and offload["grads_and_optimizer_gib"] > 0, offload
     # Decode-time log-probs (paged KV cache) equal a teacher-forced recompute, to bf16 rounding.
     assert results["generation"]["figures"]["max_logprob_gap"] < 0.1, results["generation"]
 
