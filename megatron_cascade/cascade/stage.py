@@ -172,8 +172,8 @@ class StageRunner:
     def generation_replica(self) -> GenerationReplica:
         """What generates this stage's rollouts and evaluations, holding the policy's current weights:
         the decode copy at ``rollout.parallel`` (refit now; collective), else the policy itself. With
-        ``rollout.offload_training_state`` the policy's gradients and optimizer state go to host
-        memory until ``generation_done``."""
+        ``rollout.offload_training_state`` the policy's gradients and optimizer state (and its weights,
+        when the copy generates) go to host memory until ``generation_done``."""
         finish_param_sync(self.policy)  # generation reads the weights of the last step
         decode = self.stage.rollout.parallel
         if decode is None:
@@ -183,8 +183,8 @@ class StageRunner:
             copy.refit(self.policy)
             self.refit_seconds += copy.refit_seconds
             replica = copy.replica
-        if self.stage.rollout.offload_training_state:
-            self.state_offload.offload()
+        if self.stage.rollout.offload_training_state:  # the copy was refit: the policy's weights may go too
+            self.state_offload.offload(weights=decode is not None)
         return replica
 
     def generation_done(self) -> None:

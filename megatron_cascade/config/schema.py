@@ -74,9 +74,10 @@ class RolloutConfig:
     # A decode layout: generation on an inference-only copy of the policy at this layout (TP, EP, ETP;
     # no PP or CP), refit in memory after every optimizer step. null: generate at the training layout.
     parallel: Optional[DecodeParallelConfig] = None
-    # While generating, the policy's gradients and optimizer state wait in host memory and come back
-    # bit for bit for training: the KV cache gets their room (fp32 grads are 2x, Adam's state up to 6x
-    # the bf16 weights) for one host round trip per step. The dry run counts it.
+    # While generating, the policy's gradients and optimizer state (and its weights, when a decode copy
+    # generates) wait in host memory and come back bit for bit for training: the KV cache gets their
+    # room (fp32 grads are 2x, Adam's state up to 6x the bf16 weights) for one host round trip per step.
+    # The dry run counts it.
     offload_training_state: bool = True
 
     def validate(self, prefix: str = "rollout.") -> None:

@@ -1,13 +1,15 @@
-"""The policy's gradients and optimizer state parked in host memory while it generates
-(``training/state_offload.py``, ``rollout.offload_training_state``).
+"""The policy's training state parked in host memory while it generates (``training/state_offload.py``,
+``rollout.offload_training_state``).
 
 Two gloo ranks (DP=2) train two policies from the same weights on the same batches; one parks its
-training state around a generation-time forward after every step. While parked, every optimizer
-storage and gradient buffer holds no memory (a read of them would fail) while the weights still
-give the same log-probs; after four steps (Adam: moments, master weights, step counters) both
-policies are bit-identical, weights and optimizer state. Cases: bf16 with the distributed
-optimizer (fp32 master shards apart from the model), and fp32 without it, whose optimizer steps the
-model's own parameters: those are left resident, or generation would read released weights.
+training state after every step and brings it back before the next. Even steps park the gradients
+and optimizer state around a generation-time forward (the weights stay: generation on the training
+model reads them); odd steps also park the weights (as while a decode copy generates). While parked,
+every parked storage holds no memory (a read would fail) and the forward's log-probs are unchanged;
+after six steps (Adam: moments, master weights, step counters) both policies are bit-identical,
+weights and optimizer state. Cases: bf16 with the distributed optimizer (fp32 master shards apart
+from the model, bf16 weights in DDP's parameter buffer), and fp32 without it, whose optimizer steps
+the model's own parameters: those stay with the weights (resident unless the weights are parked).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.distributed
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100,
                     ffn_hidden_size=64)
-STEPS = 4
+STEPS = 6
 
 
 def _state_tensors(policy) -> dict[str, torch.Tensor]:
@@ -45,22 +47,20 @@ def _state_tensors(policy) -> dict[str, torch.Tensor]:
     return out
 
 
-def _resident_bytes(policy) -> tuple[int, int]:
-    """(optimizer-state storage bytes, gradient-buffer storage bytes) held on this rank now."""
+def _resident_bytes(policy) -> tuple[int, int, int]:
+    """(optimizer-state, gradient-buffer, weight) storage bytes held on this rank now."""
     from megatron_cascade.training.state_offload import _torch_optimizers
 
-    seen, optim = set(), 0
+    def total(tensors) -> int:
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in tensors if t.numel()}
+        return sum(s.nbytes() for s in storages.values())
+
+    optim = []
     for opt in _torch_optimizers(policy.optimizer):
-        tensors = [p for g in opt.param_groups for p in g["params"]]
-        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            storage = t.untyped_storage()
-            if id(storage) not in seen and t.numel():
-                seen.add(id(storage))
-                optim += storage.nbytes()
-    grads = sum(b.grad_data.untyped_storage().nbytes() for chunk in policy.chunks
-                for b in list(chunk.buffers) + list(chunk.expert_parallel_buffers))
-    return optim, grads
+        optim += [p for g in opt.param_groups for p in g["params"]]
+        optim += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    grads = [b.grad_data for chunk in policy.chunks for b in list(chunk.buffers) + list(chunk.expert_parallel_buffers)]
+    return total(optim), total(grads), total(list(policy.module.parameters()))
 
 
 def offload_worker(precision: str, distributed_optimizer: bool):
@@ -83,15 +83,18 @@ def offload_worker(precision: str, distributed_optimizer: bool):
         batch = random_rl_batch(UNEVEN_SPANS, 24, MODEL.vocab_size, seed=100 + step + torch.distributed.get_rank())
         for policy in (parked, reference):
             train_step(policy, batch, spec, training)
+        weights = step % 2 == 1
         before = _resident_bytes(parked)
-        offload.offload()
-        offload.offload()  # a second call (an evaluation inside a step) parks nothing twice
+        offload.offload(weights=weights)
+        offload.offload(weights=weights)  # a second call (an evaluation inside a step) parks nothing twice
         during = _resident_bytes(parked)
-        logprobs = forward_logprobs(parked.chunks, batch, spec, 4)  # generation reads the weights
-        expected = forward_logprobs(reference.chunks, batch, spec, 4)
+        same = None
+        if not weights:  # generation on the training model reads the weights
+            got = forward_logprobs(parked.chunks, batch, spec, 4)
+            same = bool(torch.equal(got, forward_logprobs(reference.chunks, batch, spec, 4)))
         offload.restore()
         offload.restore()
-        seen.append((before, during, offload.parked_bytes, bool(torch.equal(logprobs, expected))))
+        seen.append((weights, before, during, offload.parked_bytes, same))
     got, want = _state_tensors(parked), _state_tensors(reference)
     differ = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
     return seen, differ, sorted({k.rsplit("/", 1)[-1] for k in want if k.startswith("optimizer")})
@@ -102,11 +105,15 @@ def test_training_state_parks_in_host_memory_and_returns_bit_for_bit(precision, 
     for seen, differ, compared in run_distributed(offload_worker, 2, precision, distributed_optimizer):
         assert not differ, f"after {STEPS} steps with the state parked around each generation: {differ[:5]}"
         assert {"exp_avg", "exp_avg_sq"} <= set(compared)  # Adam's moments were among the compared tensors
-        for (optim_before, grads_before), (optim_during, grads_during), parked, same_logprobs in seen:
-            assert grads_before > 0 and grads_during == 0
-            assert optim_before > 0 and parked == 0  # restored: nothing left on the host
-            assert same_logprobs
-            if precision == "bf16":
-                assert optim_during == 0  # master shards and moments: all on the host
-            else:  # the moments leave, the model's own parameters (the optimizer's) stay
-                assert 0 < optim_during < optim_before
+        for weights, (optim0, grads0, weights0), (optim1, grads1, weights1), left, same in seen:
+            assert grads0 > 0 and grads1 == 0 and optim0 > 0 and weights0 > 0
+            assert left == 0  # restored: nothing parked
+            if weights:
+                assert optim1 == 0 and weights1 == 0  # everything the step reads is on the host
+            else:
+                assert same  # log-probs of the resident weights unchanged
+                assert weights1 == weights0
+                if precision == "bf16":
+                    assert optim1 == 0  # master shards and moments: all on the host
+                else:  # the moments leave, the model's own parameters (the optimizer's) stay
+                    assert 0 < optim1 < optim0

@@ -41,7 +41,10 @@ def _memory_line(name: str, mem: StageMemory, stage: ResolvedStage, cfg: RunConf
                if gib]
     host = f"; host: {', '.join(on_host)}" if on_host else ""
     copy = f"decode copy {mem.decode_copy:.1f} + " if mem.decode_layout is not None else ""
-    parked = f" - grads and optimizer on host {mem.parked:.1f}" if mem.parked else ""
+    parked = ""
+    if mem.parked:
+        what = "weights, grads and optimizer" if mem.decode_layout is not None else "grads and optimizer"
+        parked = f" - {what} on host {mem.parked:.1f}"
     return (f"  {name:<16} peak {mem.peak:6.1f} GiB = static {mem.static:.1f}{frozen} + max({copy}generation "
             f"{mem.generation:.1f} [KV cache {mem.kv_cache:.1f}{_concurrency(mem)}]{parked}, training {mem.training:.1f} [activations "
             f"{mem.activations:.1f} recompute={cfg.model.recompute}, {_head_name(stage)} {mem.logits:.1f}]) + runtime "

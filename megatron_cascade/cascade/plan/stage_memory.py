@@ -33,7 +33,7 @@ class StageMemory:
     generation_plan: Optional[GenerationPlan] = None  # generating stages
     decode_copy: float = 0.0  # the decode copy's weights (rollout.parallel), resident; refit per step
     decode_layout: Optional[Layout] = None
-    parked: float = 0.0  # of static: grads + optimizer state in host memory while generating
+    parked: float = 0.0  # of static, on the host while generating: grads, optimizer (+ weights beside a copy)
     gpus_per_node: int = 1
 
     @property
@@ -77,12 +77,12 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     gen = decode = None
     if kind.generates:
         # A decode layout generates on its own copy of the weights (no optimizer state); the training
-        # model's weights stay beside it, its grads and optimizer state too unless parked on the host.
+        # state stays beside it unless parked on the host (the weights too, once the copy is refit).
         decode = check_decode_layout(cfg, stage, layout.world_size)
         if decode is not None:
             copy = decode_copy_bytes(cfg, decode)
-        if stage.rollout.offload_training_state:
-            parked = (state["grads_gib"] + state["optimizer_gib"]) * GIB
+        if stage.rollout.offload_training_state:  # the policy's weights too when the copy generates
+            parked = (state["grads_gib"] + state["optimizer_gib"] + (state["weights_gib"] if copy else 0)) * GIB
         free = (cfg.cluster.gpu_memory_gib * GIB - static + parked - copy - frozen
                 - cfg.cluster.runtime_overhead_gib * GIB)
         gen = generation_plan(cfg, decode or layout, stage, free)
