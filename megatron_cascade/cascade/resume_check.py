@@ -26,10 +26,12 @@ RECORDED_CONFIG = "config.yaml"
 
 # Where and how a run executes, not what it computes: the parallel layout (checkpoints load at any
 # layout), checkpoint cadence, logging, collective timeouts, dry-run cluster sizing, activation
-# recompute and the KV-cache memory budget of generation. Keys relative to the run (or to a stage).
+# recompute, the KV-cache memory budget and admission of generation, parking the training state
+# while generating. Keys relative to the run (or to a stage).
 FREE_KEYS = ("output_dir", "parallel", "checkpoint", "distributed", "logging", "cluster", "model.recompute",
              "model.recompute_num_layers", "rollout.kv_cache_bytes", "rollout.kv_cache_fraction",
-             "rollout.kv_block_size_tokens", "rollout.expected_response_fraction", "rollout.parallel")
+             "rollout.kv_block_size_tokens", "rollout.expected_response_fraction",
+             "rollout.adapt_expected_response_fraction", "rollout.parallel", "rollout.offload_training_state")
 # Run-level keys that shape every started stage (their sections under a stage are compared resolved).
 # chat_template_kwargs change every rendered prompt (enable_thinking), like the tokenizer itself.
 _RUN_KEYS = ("seed", "tokenizer", "chat_template_kwargs", "init_checkpoint", "model", "data", "rewards")

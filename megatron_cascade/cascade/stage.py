@@ -250,6 +250,7 @@ class StageRunner:
         made.timing["time/train_s"] = time.perf_counter() - train_start
         made.sums["tokens_processed"] = float(made.batch.input_ids.numel())
         metrics.update(self._reduce(made.sums, made.maxes))
+        self.kind.step_done(metrics)
         elapsed = time.perf_counter() - start
         metrics.update(made.timing)
         if self.stage.rollout.parallel is not None and stage_type(self.stage.type).generates:

@@ -20,7 +20,8 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         total: global sums (``RolloutStage._rollout_sums`` keys, plus ``groups_trained``,
             ``advantage_abs_sum``, ``samples_trained`` for GRPO, ``mopd_rkl_sum/*``,
             ``mopd_tokens/*`` for MOPD, and ``episode*`` keys for multi-turn environments).
-        peaks: global maxima (``response_length_max``, ``sampling_rounds``, ``generation_peak_requests``).
+        peaks: global maxima (``response_length_max``, ``sampling_rounds``, ``generation_peak_requests``,
+            ``generation_expected_fraction``).
         prompts_per_step: the stage's prompts per step (the batch dynamic sampling fills).
         teachers: MOPD teacher (stage name or folder) per domain; {} otherwise.
     """
@@ -38,6 +39,8 @@ def rollout_metrics(total: dict[str, float], peaks: dict[str, float], prompts_pe
         "generation/recomputed_tokens": total.get("generation_recomputed_tokens", 0.0),
         "generation/peak_requests": peaks.get("generation_peak_requests", 0.0),
     }
+    if "generation_expected_fraction" in peaks:  # what admission expected of each response
+        out["generation/expected_response_fraction"] = peaks["generation_expected_fraction"]
     if any(k.startswith("scored/") for k in total):  # a stage with rewards
         out.update(_reward_metrics(total, domains, samples, sum_of))
     out["finish/length_frac"] = 1.0 - out["finish/stop_frac"]

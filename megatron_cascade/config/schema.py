@@ -68,6 +68,10 @@ class RolloutConfig:
     # Expected response length / max_new_tokens: sizes a hybrid model's Mamba state slots in generation
     # and the dry run's samples decoding at once (KV is taken on demand, so the mean length, not the cap).
     expected_response_fraction: float = ranged(0.5, gt=0, le=1)
+    # Single-turn stages: from the second step on, generation expects the previous step's mean response
+    # length (response/length_mean / max_new_tokens) instead (RL responses lengthen as training goes: a
+    # fixed guess admits too few requests early and preempts later). Tokens do not change either way.
+    adapt_expected_response_fraction: bool = True
     # Decode steps padded to this many batch sizes (Megatron's num_cuda_graphs); on a GPU the decode copy
     # (rollout.parallel) replays a CUDA graph per size. null: eager decode steps.
     cuda_graphs: Optional[int] = ranged(None, ge=1, le=256, why="or null: eager decode steps")

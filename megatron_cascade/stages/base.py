@@ -104,3 +104,6 @@ class StageType:
     def make_batch(self, step: int, examples: list["Example"]) -> StepBatch:
         """The batch of ``step`` from this rank's ``examples`` (collective where the type needs it)."""
         raise NotImplementedError
+
+    def step_done(self, metrics: dict[str, float]) -> None:
+        """See the step's metrics (reduced over ranks: the same on every rank) before the next step."""

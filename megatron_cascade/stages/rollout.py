@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ class RolloutStage(StageType):
 
     multi_turn = False  # set by setup: a domain of the stage has a multi-turn environment
     episode_metrics: tuple[str, ...] = ()  # set by setup: the metric names of those environments
+    expected_fraction: float | None = None  # the previous step's response/length_mean / max_new_tokens
+    expected_used: float | None = None  # what the last generation's admission expected
 
     def setup(self) -> None:
         r = self.runner
@@ -52,6 +55,21 @@ class RolloutStage(StageType):
     def train_batch(self, chosen: GroupRound, sums: dict[str, float], timing: dict[str, float]):
         """The ``TrainBatch`` of the chosen groups; may add sums and timings."""
         raise NotImplementedError
+
+    def step_done(self, metrics: dict[str, float]) -> None:
+        """``rollout.adapt_expected_response_fraction``: the next step expects this one's mean response
+        length (single-turn stages: a multi-turn response holds several calls and the observations)."""
+        ro = self.runner.stage.rollout
+        if ro.adapt_expected_response_fraction and not self.multi_turn and "response/length_mean" in metrics:
+            self.expected_fraction = min(1.0, max(metrics["response/length_mean"], 1.0) / ro.max_new_tokens)
+
+    def kv_cache(self) -> KVCacheConfig:
+        """The step's paged-cache settings: the rollout section's, expecting the adapted fraction."""
+        kv = KVCacheConfig.from_rollout(self.runner.stage.rollout)
+        if self.expected_fraction is not None:
+            kv = replace(kv, expected_response_fraction=self.expected_fraction)
+        self.expected_used = kv.expected_response_fraction
+        return kv
 
     # -- generation ------------------------------------------------------------------------------
     def sampling(self, step: int, n: int, round: int = 0, replica_rank: int | None = None) -> SamplingParams:
@@ -101,7 +119,7 @@ class RolloutStage(StageType):
             rollouts = run_episodes(replica.module, [list(e.prompt_ids) for e in examples], [e.row for e in examples],
                                     [self.episodes[e.domain] for e in examples],
                                     self.sampling(step, G, round, replica.dp_rank if replica.is_copy else None),
-                                    tokenizer=r.tok, kv_cache=KVCacheConfig.from_rollout(r.stage.rollout),
+                                    tokenizer=r.tok, kv_cache=self.kv_cache(),
                                     on_episode_done=scorer.on_finished if scorer else None)
             timing["time/generation_s"] += time.perf_counter() - t0
             if scorer:
@@ -218,8 +236,11 @@ class RolloutStage(StageType):
                     _add(sums, f"raw_reward_sum/{domain}", float(rnd.scores[ok].sum()))
             if self.multi_turn:
                 self._episode_sums(sums, rnd)
-        return sums, {"response_length_max": longest, "sampling_rounds": float(len(rounds)),
-                      "generation_peak_requests": peak_requests}
+        peaks = {"response_length_max": longest, "sampling_rounds": float(len(rounds)),
+                 "generation_peak_requests": peak_requests}
+        if self.expected_used is not None:
+            peaks["generation_expected_fraction"] = self.expected_used
+        return sums, peaks
 
     def _episode_sums(self, sums: dict[str, float], rnd: GroupRound) -> None:
         """Episode sums of a round: turns, environment metrics, step timeouts and errors, and the
