@@ -283,11 +283,13 @@ class ParallelConfig:
 @dataclass
 class DecodeParallelConfig:
     """``rollout.parallel``: the layout of an inference-only copy of the policy that generates the
-    rollouts (``rollout/decode_layout.py``), refit from the training model in memory after every
-    optimizer step. It has no pipeline or context parallelism; data parallelism is what the world
-    size leaves. Unset (null): generation runs on the training model, at the training layout."""
+    rollouts (``training/decode_copy.py``), refit from the training model in memory after every
+    optimizer step. No context parallelism; pipeline stages only where the weights need them (they
+    decode in series); data parallelism is what the world size leaves. Unset (null): generation runs
+    on the training model, at the training layout."""
 
     tensor_model_parallel_size: int = ranged(1, ge=1)
+    pipeline_model_parallel_size: int = ranged(1, ge=1)  # > 1 only for weights too large for TP x EP alone
     expert_model_parallel_size: int = ranged(1, ge=1)
     expert_tensor_parallel_size: Optional[int] = ranged(None, ge=1)  # null = tensor_model_parallel_size
 
@@ -296,5 +298,6 @@ class DecodeParallelConfig:
         only because Megatron refuses MoE + TP without it in the model config; generation runs with
         it off (``rollout/stage_forward.sequence_parallel_off``)."""
         tp = self.tensor_model_parallel_size
-        return ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=self.expert_model_parallel_size,
+        return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+                              expert_model_parallel_size=self.expert_model_parallel_size,
                               expert_tensor_parallel_size=self.expert_tensor_parallel_size, sequence_parallel=tp > 1)

@@ -75,8 +75,8 @@ class RolloutConfig:
     # Decode steps padded to this many batch sizes (Megatron's num_cuda_graphs); on a GPU the decode copy
     # (rollout.parallel) replays a CUDA graph per size. null: eager decode steps.
     cuda_graphs: Optional[int] = ranged(None, ge=1, le=256, why="or null: eager decode steps")
-    # A decode layout: generation on an inference-only copy of the policy at this layout (TP, EP, ETP;
-    # no PP or CP), refit in memory after every optimizer step. null: generate at the training layout.
+    # A decode layout: generation on an inference-only copy of the policy at this layout (TP, PP, EP,
+    # ETP; no CP), refit in memory after every optimizer step. null: generate at the training layout.
     parallel: Optional[DecodeParallelConfig] = None
     # While generating, the policy's gradients and optimizer state (and its weights, when a decode copy
     # generates) wait in host memory and come back bit for bit for training: the KV cache gets their

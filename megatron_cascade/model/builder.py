@@ -192,14 +192,16 @@ def _fp8_kwargs(model: ModelConfig) -> dict:
     )
 
 
-def decoder_block_spec(config, normalization: str):
-    """This pipeline stage's decoder block spec: Transformer Engine's when TE and CUDA are there, else
-    the local spec with sequence-parallel-capable norms (``model/cpu_spec.py``)."""
+def decoder_block_spec(config, normalization: str, pp_rank: int | None = None):
+    """The decoder block spec of pipeline stage ``pp_rank`` (None: this rank's in Megatron's parallel
+    state): Transformer Engine's when TE and CUDA are there, else the local spec with
+    sequence-parallel-capable norms (``model/cpu_spec.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if transformer_engine_available():
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=normalization)
-    return local_decoder_block_spec(config, normalization)
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=normalization,
+                                          pp_rank=pp_rank)
+    return local_decoder_block_spec(config, normalization, pp_rank)
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | None = None,
@@ -209,13 +211,24 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int |
     logits, so training, generation and checkpoints treat them alike.
 
     ``pg_collection``: the process groups of another layout than the training one (a decode copy,
-    ``rollout/decode_layout.py``; ``parallel`` must describe it, without pipeline stages); None:
-    Megatron's parallel state. ``inference_cuda_graphs``: see ``transformer_config``."""
-    if pg_collection is not None and parallel.pipeline_model_parallel_size != 1:
-        raise ValueError("a model on its own process groups is built without pipeline stages here")
+    ``training/decode_copy.py``; ``parallel`` must describe it); None: Megatron's parallel state.
+    ``inference_cuda_graphs``: see ``transformer_config``."""
     config = transformer_config(model, parallel, inference_cuda_graphs=inference_cuda_graphs)
     build = BUILDERS[megatron_architecture(model).name]
     return build(model, parallel, vp_stage=vp_stage, pg_collection=pg_collection, config=config)
+
+
+def _pipeline_end(pg_collection, first: bool) -> bool:
+    """Whether this rank holds the first (or last) pipeline stage: of ``pg_collection``'s pipeline,
+    else of Megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    if pg_collection is None:
+        if first:
+            return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    pp = pg_collection.pp
+    return pp.rank() == (0 if first else pp.size() - 1)
 
 
 # Callers written before the hybrid architecture build through this name: it builds what the config names.
@@ -235,8 +248,6 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
     """A ``MambaModel`` with ``model.hybrid.layer_pattern`` for this rank's pipeline stage (Megatron
     parallel state must be initialised; PP splits the layers evenly, no virtual pipeline).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP]."""
-    from megatron.core import parallel_state
-
     from megatron_cascade.model.hybrid_model import hybrid_model_class
 
     if vp_stage is not None:
@@ -248,8 +259,8 @@ def build_hybrid_model(model: ModelConfig, parallel: ParallelConfig, *, vp_stage
         mamba_stack_spec=hybrid_stack_spec(config, model),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=pg_collection is not None or parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=pg_collection is not None or parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=_pipeline_end(pg_collection, first=True),
+        post_process=_pipeline_end(pg_collection, first=False),
         hybrid_override_pattern=model.hybrid.layer_pattern,
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings,
@@ -272,18 +283,18 @@ def _build_gpt(model: ModelConfig, parallel: ParallelConfig, *, vp_stage: int | 
     (``model/moe_aux_loss.py``).
     The output layer returns vocab-sharded logits of shape [seq, batch, padded_vocab / TP].
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     config = config or transformer_config(model, parallel)
-    spec = with_global_normalized_routers(decoder_block_spec(config, model.normalization))
+    pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
+    spec = with_global_normalized_routers(decoder_block_spec(config, model.normalization, pp_rank))
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=pg_collection is not None or parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=pg_collection is not None or parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=_pipeline_end(pg_collection, first=True),
+        post_process=_pipeline_end(pg_collection, first=False),
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type=model.position_embedding_type,

@@ -201,13 +201,14 @@ def _swap_norms(spec):
     return spec
 
 
-def local_decoder_block_spec(config, normalization: str):
-    """Megatron-Core's local (no Transformer Engine) GPT decoder block spec for ``config`` — this
-    rank's pipeline stage, dense and MoE layers — with ``SequenceParallelNorm`` for every norm and
-    ``LocalPackedAttention`` as core attention.
+def local_decoder_block_spec(config, normalization: str, pp_rank: int | None = None):
+    """Megatron-Core's local (no Transformer Engine) GPT decoder block spec for ``config`` — pipeline
+    stage ``pp_rank`` (None: this rank's), dense and MoE layers — with ``SequenceParallelNorm`` for
+    every norm and ``LocalPackedAttention`` as core attention.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization,
+                                       pp_rank=pp_rank)
     layer_specs = [_swap_norms(layer) for layer in block.layer_specs]
     return replace(block, layer_specs=layer_specs, layer_norm=SequenceParallelNorm)

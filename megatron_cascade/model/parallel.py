@@ -160,9 +160,11 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int, *, timeout_mi
 
 
 def build_decode_process_groups(layout: Layout, timeout_minutes: float | None = None):
-    """The ``ProcessGroupCollection`` of a decode layout (``rollout.parallel``, no PP or CP): TP and
+    """The ``ProcessGroupCollection`` of a decode layout (``rollout.parallel``, no CP): TP, PP and
     expert groups over the same world as the training layout, ranks in Megatron's order (TP fastest,
-    then DP; experts: ETP, EP, expert-DP). Collective: every rank must call it, in the same order.
+    then DP, then PP; experts: ETP, EP, expert-DP, PP), and each pipeline's embedding groups (its first
+    and last stage; the first alone for position embeddings). Collective: every rank must call it, in
+    the same order.
 
     After Megatron-LM's ``build_inference_pg_collection`` (``megatron/rl/parallel_utils.py``).
     """
@@ -174,11 +176,11 @@ def build_decode_process_groups(layout: Layout, timeout_minutes: float | None = 
 
     from megatron_cascade.config.schema import DistributedConfig
 
-    if layout.pp != 1 or layout.cp != 1:
-        raise ValueError(f"a decode layout has no pipeline or context parallelism (PP={layout.pp}, CP={layout.cp})")
+    if layout.cp != 1:
+        raise ValueError(f"a decode layout has no context parallelism (CP={layout.cp})")
     timeout = datetime.timedelta(minutes=timeout_minutes or DistributedConfig().timeout_minutes)
-    dense = HyperCommGrid([layout.tp, 1, layout.dp, 1], ["tp", "cp", "dp", "pp"])
-    expert = HyperCommGrid([layout.etp, layout.ep, layout.expert_dp, 1], ["tp", "ep", "dp", "pp"])
+    dense = HyperCommGrid([layout.tp, 1, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"])
+    expert = HyperCommGrid([layout.etp, layout.ep, layout.expert_dp, layout.pp], ["tp", "ep", "dp", "pp"])
 
     def dense_group(dims):
         return dense.create_pg(dims, timeout=timeout)
@@ -189,10 +191,13 @@ def build_decode_process_groups(layout: Layout, timeout_minutes: float | None = 
                expt_tp=expert.create_pg("tp", timeout=timeout), expt_dp=expert.create_pg("dp", timeout=timeout),
                tp_ep=expert.create_pg(["tp", "ep"], timeout=timeout),
                tp_ep_pp=expert.create_pg(["tp", "ep", "pp"], timeout=timeout))
-    # Without PP every rank is both ends of its pipeline: it alone embeds and computes the output.
+    # A pipeline's ends embed and compute the output (tied embeddings sync over the pair); without PP
+    # every rank is both. Every rank creates every group (new_group is collective).
     me = dist.get_rank()
-    for rank in range(dist.get_world_size()):  # every rank creates every group (new_group is collective)
-        group = dist.new_group([rank], timeout=timeout)
-        if rank == me:
-            pgs["embd"], pgs["pos_embd"] = group, group
+    for ranks in dense.get_rank_enum("pp"):
+        embd = dist.new_group(sorted({ranks[0], ranks[-1]}), timeout=timeout)
+        pos_embd = dist.new_group([ranks[0]], timeout=timeout)
+        if me in ranks:
+            pgs["embd"] = embd if me in (ranks[0], ranks[-1]) else None
+            pgs["pos_embd"] = pos_embd if me == ranks[0] else None
     return ProcessGroupCollection(**pgs)

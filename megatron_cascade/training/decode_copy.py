@@ -3,13 +3,14 @@ its own process groups, refit from the training model in memory after every opti
 
 Training keeps the layout memory needs (PP, CP, SP); decoding wants none of it: pipeline stages
 decode in series and context parallelism cannot decode one token per request. The copy holds the
-same weights at another layout (typically TP=1 or 2, no PP, EP as training), built in the policy's
+same weights at another layout (typically TP=1 or 2, no PP, EP as training; PP only for weights too
+large for TP x EP alone), built in the policy's
 precision, and generation runs on it (``rollout/`` reads the groups from the model). Refit is
 megatron-core's ``megatron.core.resharding.swap_model_weights`` (a plan built once, then point to
 point copies: gloo on CPU, NCCL on GPU), never a checkpoint on disk, plus what it leaves out:
 
-* the planner's names of local-spec experts and its cut of a Mamba mixer's multi-part parameters
-  (``training/reshard_patches.py``);
+* the planner's names of local-spec experts, its cut of a Mamba mixer's multi-part parameters and
+  the source of a later pipeline stage's tied output weight (``training/reshard_patches.py``);
 * persistent buffers (the router's ``expert_bias``) are not copied by megatron-core: copied here;
 * dtypes are not compared by megatron-core (a bf16 policy into an fp32 copy gave NaN logits):
   refused here before the first refit;
@@ -32,7 +33,7 @@ from megatron_cascade.model.parallel import Layout, build_decode_process_groups
 from megatron_cascade.rollout.cuda_graphs import graph_decode_steps_only
 from megatron_cascade.rollout.replica_groups import GenerationReplica
 from megatron_cascade.training.policy import Policy, finish_param_sync, in_model_precision, unwrap
-from megatron_cascade.training.reshard_patches import patch_resharding, tag_tp_parts
+from megatron_cascade.training.reshard_patches import patch_resharding, tag_tied_output, tag_tp_parts
 
 class DecodeCopy:
     """The inference-only copy of the policy at ``decode``'s layout; collective to build and refit.
@@ -104,6 +105,7 @@ class DecodeCopy:
             self._checked = True
         for module in (unwrap(source), unwrap(self.module)):  # before megatron-core plans (and caches) the copy
             tag_tp_parts(module)
+        tag_tied_output(unwrap(self.module))
         with torch.no_grad():
             swap_model_weights(source, self.module, "nccl" if torch.cuda.is_available() else "gloo")
             _copy_persistent_buffers(unwrap(source), unwrap(self.module))

@@ -11,6 +11,11 @@ leaves out for our models, patched in one place (``patch_resharding``, idempoten
   over TP on its own (rank r holds ``[z_r, x_r, B_r, C_r, dt_r]``); the planner cuts the tensor as one
   (a TP=2 -> TP=1 refit gave ``[z_0, x_0, ..., z_1, x_1, ...]``: wrong tokens). Parameters tagged by
   ``tag_tp_parts`` are planned part by part, each with the planner's own TP tiling.
+* **Tied output weights of a later pipeline stage.** With tied embeddings and PP > 1 the last stage
+  holds its own ``output_layer.weight``, equal to the first stage's input embedding (Megatron keeps
+  the two in step). A policy without PP has no such parameter: the planner found no source for the
+  decode copy's ("Destination parameter 'output_layer.weight' ... not found"). Parameters tagged by
+  ``tag_tied_output`` are planned as the embedding they equal.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import torch.distributed as dist
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _PARTS_ATTR = "_megatron_cascade_tp_parts"
+_TIED_ATTR = "_megatron_cascade_tied_output"
+_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def patch_resharding() -> None:
-    """Install both planner patches (see the module docstring); a no-op when already installed."""
+    """Install the planner patches (see the module docstring); a no-op when already installed."""
     from megatron.core.resharding import planner
 
     if getattr(planner.extract_param_metadata, "_megatron_cascade", False):
@@ -50,12 +57,22 @@ def tag_tp_parts(module: torch.nn.Module) -> None:
                 setattr(param, _PARTS_ATTR, (mixer.d_inner, bc, bc))
 
 
+def tag_tied_output(module: torch.nn.Module) -> None:
+    """Mark the output weight of a pipeline stage that computes the output without holding the input
+    embedding, with tied embeddings: it is planned as the embedding (see the module docstring)."""
+    if (getattr(module, "share_embeddings_and_output_weights", False) and getattr(module, "post_process", False)
+            and not getattr(module, "pre_process", True) and module.output_layer.weight is not None):
+        setattr(module.output_layer.weight, _TIED_ATTR, True)
+
+
 def _extract_param_metadata(original):
     def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
                                layer_module_prefix_map=None):
         meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
                         layer_module_prefix_map=layer_module_prefix_map)
         meta.tp_parts = getattr(param, _PARTS_ATTR, None)  # gathered with the metadata (pickled)
+        if getattr(param, _TIED_ATTR, False):
+            meta.resolved_name = _EMBEDDING
         if not meta.is_ep:
             return meta
         expt_dp = getattr(pg_collection, "expt_dp", None)

@@ -6,6 +6,9 @@ Four gloo processes train at one layout and decode at another; the reference is 
   of every replica equal one process's, log-probs to float rounding; after two real optimizer steps
   (random gradients, Adam) each refit leaves the copy holding exactly the trained weights (every
   tensor bit for bit against the policy's checkpoint, reassembled);
+* GPT with tied embeddings, training TP=2 (two replicas) -> decode PP=2 (two pipelines): the same,
+  the last stage's output weight equal to the trained embedding (the policy has no such parameter:
+  ``training/reshard_patches.tag_tied_output``);
 * MoE, training EP=2 x DP=2 -> decode EP=2 across the other DP pairs (expert biases in the
   router, experts that differ per rank): tokens equal, and the copy's experts are the policy's;
 * hybrid Mamba / attention / MoE, training PP=2 -> decode TP=1 (a pipeline stage without attention
@@ -101,7 +104,7 @@ def layout_worker(model_cfg, train: ParallelConfig, decode: DecodeParallelConfig
     copy.refit(policy)
     out = {"decode": _generate(copy.module, PROMPTS), "train": _generate(policy.module, PROMPTS),
            "decode_dp": (copy.dp_rank, copy.dp_size), "ep_rank": torch.distributed.get_rank(copy.groups.ep),
-           "copies": []}
+           "pp_rank": torch.distributed.get_rank(copy.groups.pp), "copies": []}
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + step)
         for param in policy.module.parameters():
@@ -136,12 +139,16 @@ def _check_tokens(result, reference):
         _close(result[name][1], reference[name][1])
 
 
-@pytest.mark.parametrize("case", ["gpt-tp2pp2-to-tp1", "moe-ep2-to-ep2", "hybrid-pp2-to-tp1", "hybrid-tp2-to-tp2",
-                                  "hybrid-tp2-to-tp1"])
+@pytest.mark.parametrize("case", ["gpt-tp2pp2-to-tp1", "gpt-tp2-to-pp2", "moe-ep2-to-ep2", "hybrid-pp2-to-tp1",
+                                  "hybrid-tp2-to-tp2", "hybrid-tp2-to-tp1"])
 def test_decode_copy_generates_what_the_training_layout_does(tmp_path, case):
     model_cfg, train, decode, steps = {
         "gpt-tp2pp2-to-tp1": (GPT, ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                               DecodeParallelConfig(), 2),
+        # Pipeline stages in the copy (weights too large for TP x EP alone), tied embeddings: the last
+        # stage's output weight, which the policy without PP does not have, is refit from its embedding.
+        "gpt-tp2-to-pp2": (replace(GPT, tie_embeddings=True), ParallelConfig(tensor_model_parallel_size=2),
+                           DecodeParallelConfig(pipeline_model_parallel_size=2), 1),
         "moe-ep2-to-ep2": (MOE, ParallelConfig(expert_model_parallel_size=2),
                            DecodeParallelConfig(expert_model_parallel_size=2), 1),
         "hybrid-pp2-to-tp1": (HYBRID, ParallelConfig(pipeline_model_parallel_size=2), DecodeParallelConfig(), 1),
@@ -155,8 +162,8 @@ def test_decode_copy_generates_what_the_training_layout_does(tmp_path, case):
     world = 2 if case.startswith("hybrid") else 4
     ranks = run_distributed(layout_worker, world, model_cfg, train, decode, weights, steps, str(tmp_path / "ck"),
                             timeout_s=600)
-    # No PP or CP in a decode layout: DP is what TP leaves.
-    dp = world // decode.tensor_model_parallel_size
+    # No CP in a decode layout: DP is what TP x PP leave.
+    dp = world // (decode.tensor_model_parallel_size * decode.pipeline_model_parallel_size)
     assert sorted(r["decode_dp"] for r in ranks) == sorted((i, dp) for i in range(dp) for _ in range(world // dp))
     for result in ranks:
         _check_tokens(result["decode"], reference)
@@ -165,15 +172,29 @@ def test_decode_copy_generates_what_the_training_layout_does(tmp_path, case):
     if decode.tensor_model_parallel_size > 1:
         assert all(result["copies"] == [[]] * steps for result in ranks)
         return
+    pp = decode.pipeline_model_parallel_size
     for step in range(steps):
         trained = run_distributed(_full, 1, model_cfg, str(tmp_path / "ck" / f"step{step}"))[0]
+        held = set()
         for result in ranks:
-            copy = {_global_expert(name, result["ep_rank"], per_rank): t for name, t in result["copies"][step].items()}
+            copy = {_global_layer(_global_expert(name, result["ep_rank"], per_rank), result["pp_rank"],
+                                  model_cfg.num_layers // pp): t for name, t in result["copies"][step].items()}
+            if pp > 1 and model_cfg.tie_embeddings and "output_layer.weight" in copy:  # the last stage's tied copy
+                assert torch.equal(copy.pop("output_layer.weight"), trained["embedding.word_embeddings.weight"])
             assert copy.keys() <= trained.keys() and len(copy) > 0
-            if decode.expert_model_parallel_size == 1:
+            held |= copy.keys()
+            if decode.expert_model_parallel_size == 1 and pp == 1:
                 assert copy.keys() == trained.keys()
             for name, tensor in copy.items():
                 assert torch.equal(tensor, trained[name]), (step, name)
+        assert held == trained.keys() or decode.expert_model_parallel_size > 1
+
+
+def _global_layer(name: str, pp_rank: int, per_stage: int) -> str:
+    """A pipeline stage's parameter name with its global layer index (stage x layers per stage + local)."""
+    import re
+
+    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{pp_rank * per_stage + int(m.group(1))}.", name)
 
 
 def _global_expert(name: str, ep_rank: int, per_rank: int) -> str:

@@ -88,7 +88,8 @@ def describe_plan(cfg: RunConfig) -> str:
             copy = decode_copy_bytes(cfg, decode)
             graphs = (f"; decode steps on {s.rollout.cuda_graphs} CUDA graph sizes, captured per generate call"
                       if s.rollout.cuda_graphs else "")
-            lines.append(f"    decode layout: TP={decode.tp} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
+            pipeline = f" PP={decode.pp}" if decode.pp > 1 else ""
+            lines.append(f"    decode layout: TP={decode.tp}{pipeline} EP={decode.ep} ETP={decode.etp} DP={decode.dp} "
                          f"(rollout.parallel; refit {copy / GIB:.2f} GiB per GPU per step, in memory{graphs})")
     load = routed_load(cfg, layout)
     lines.append("memory plan per GPU (GiB; peak = static + frozen models + max([decode copy +] generation [- parked "
