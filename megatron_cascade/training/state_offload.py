@@ -59,7 +59,10 @@ class TrainingStateOffload:
             return
         start = time.perf_counter()
         cuda = torch.cuda.is_available()
-        storages = _optimizer_storages(self.policy) + (_weight_storages(self.policy) if weights else [])
+        model_weights, model_grads = _model_storages(self.policy)
+        storages = _optimizer_storages(self.policy, set(model_weights) | model_grads)
+        if weights:
+            storages += [s for key, s in model_weights.items() if s.nbytes() and key not in model_grads]
         for chunk in self.policy.chunks:
             chunk.offload_grad_buffers(synchronize=cuda, empty_cache=False)
         self._grads_parked = True
@@ -109,17 +112,9 @@ def _model_storages(policy: Policy) -> tuple[dict[int, torch.UntypedStorage], se
     return weights, grads
 
 
-def _weight_storages(policy: Policy) -> list[torch.UntypedStorage]:
-    """The model's parameter storages that hold memory and are not also gradient buffers."""
-    weights, grads = _model_storages(policy)
-    return [s for key, s in weights.items() if s.nbytes() and key not in grads]
-
-
-def _optimizer_storages(policy: Policy) -> list[torch.UntypedStorage]:
+def _optimizer_storages(policy: Policy, owned: set[int]) -> list[torch.UntypedStorage]:
     """The distinct storages of the optimizer's parameters (master weights) and state tensors, less
-    those the model owns (its parameters, parameter and gradient buffers)."""
-    weights, grads = _model_storages(policy)
-    owned = set(weights) | grads
+    those the model owns (``owned``: keys of its parameters, parameter and gradient buffers)."""
     found: dict[int, torch.UntypedStorage] = {}
     for optimizer in _torch_optimizers(policy.optimizer):
         tensors = [p for group in optimizer.param_groups for p in group["params"]]

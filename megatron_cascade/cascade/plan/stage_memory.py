@@ -34,12 +34,7 @@ class StageMemory:
     decode_copy: float = 0.0  # the decode copy's weights (rollout.parallel), resident; refit per step
     decode_layout: Optional[Layout] = None
     parked: float = 0.0  # of static, on the host while generating: grads, optimizer (+ weights beside a copy)
-    gpus_per_node: int = 1
-
-    @property
-    def host_training_state(self) -> float:
-        """GiB per node of parked training state (``rollout.offload_training_state``)."""
-        return self.parked * self.gpus_per_node
+    host_training_state: float = 0.0  # the parked state, per node (``rollout.offload_training_state``)
 
     @property
     def training(self) -> float:
@@ -91,4 +86,4 @@ def stage_memory(cfg: RunConfig, layout: Layout, stage: ResolvedStage) -> StageM
     host = distinct_teachers * frozen_weights * cfg.cluster.gpus_per_node
     return StageMemory(static / GIB, frozen / GIB, kv / GIB, generation / GIB, activations / GIB, logits / GIB,
                        host / GIB, cfg.cluster.runtime_overhead_gib, gen, copy / GIB, decode, parked / GIB,
-                       cfg.cluster.gpus_per_node)
+                       parked * cfg.cluster.gpus_per_node / GIB)
