@@ -7,7 +7,8 @@ reaches its teachers' scores in fewer steps than GRPO from the same weights.
 
 Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and the RL stage of ``mixed.yaml`` from that
 cascade's SFT weights (the same start, so only the RL schedule differs; ``seed=<s>``; a finished run
-is skipped, an interrupted one resumes) and prints, mean ± standard error over seeds:
+is skipped, an interrupted one resumes; the mixed stage samples as many responses per domain as the
+RL stages the cascade's end comes from: ``equal_data_mixed_stage``) and prints, mean ± standard error over seeds:
 
 1. every stage's held-out score per domain and its change from the weights it started from;
 2. each GRPO stage's gain on its own domains, in units of the eval's standard error (over prompts);
@@ -21,7 +22,8 @@ cascade's end and mixed RL's end; per MOPD domain, the MOPD and GRPO held-out cu
 band over seeds) against the teacher's level.
 
 The seed changes the weights' initialisation, the prompt order and the sampling; the data splits are
-the committed ones. Extra arguments are config overrides for both runs.
+the committed ones. Extra arguments are config overrides for both runs (``stages.*`` ones for the
+cascade only: the mixed stage is derived from its stages).
 """
 
 from __future__ import annotations
@@ -52,20 +54,41 @@ def run(config: Path, out: str, seed: int, overrides: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def mixed_from_sft(folder: str, cascade_out: str) -> Path:
-    """A config of mixed.yaml's RL stages only, starting from the cascade run's SFT weights."""
-    from megatron_cascade.config import load_config
+def run_level(overrides: list[str]) -> list[str]:
+    """The overrides that apply to the mixed run: stage overrides are the cascade's (mixed RL's stage
+    follows from them)."""
+    return [o for o in overrides if not o.startswith("stages.")]
 
-    cfg = load_config(str(EXAMPLE / "mixed.yaml"), [f"output_dir={folder}"])
-    rl = [s.name for s in cfg.stages if s.type != "sft"]
+
+def equal_data_mixed_stage(overrides: list[str]) -> dict:
+    """The mixed-RL stage on the cascade's data: mixed.yaml's RL batch (prompts x samples per step),
+    as many steps and the same responses per domain as the RL stages the cascade's end comes from
+    (its start chain and MOPD teachers; not the ``grpo_ref`` comparison)."""
+    from megatron_cascade.config import load_config
+    from megatron_cascade.config.lineage import rl_samples_per_domain, stage_lineage
+
+    cascade = load_config(str(EXAMPLE / "cascade.yaml"), overrides)
+    samples = rl_samples_per_domain(cascade, stage_lineage(cascade, cascade.stages[-1].name))
+    mixed = [s for s in load_config(str(EXAMPLE / "mixed.yaml"), run_level(overrides)).stages if s.type != "sft"]
+    if len(mixed) != 1:
+        raise SystemExit(f"mixed.yaml must have one RL stage, has {[s.name for s in mixed]}")
+    batch = mixed[0].prompts_per_step * mixed[0].samples_per_prompt
+    steps = round(sum(samples.values()) / batch)
+    unit = math.gcd(*(round(v) for v in samples.values()))
+    return {"name": mixed[0].name, "type": mixed[0].type, "steps": steps, "prompts_per_step": mixed[0].prompts_per_step,
+            "samples_per_prompt": mixed[0].samples_per_prompt,
+            "domains": {d: round(v) // unit for d, v in sorted(samples.items())}}
+
+
+def mixed_from_sft(folder: str, cascade_out: str, overrides: list[str]) -> Path:
+    """A config of the equal-data mixed-RL stage only, starting from the cascade run's SFT weights."""
+    stage = equal_data_mixed_stage(overrides)
     path = Path(folder + ".yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    stages = "\n".join(f"  - {{name: {n}, type: grpo, steps: {s.steps}, prompts_per_step: {s.prompts_per_step}, "
-                       f"samples_per_prompt: {s.samples_per_prompt}, domains: {dict(s.domains)}}}"
-                       for n, s in zip(rl, [s for s in cfg.stages if s.type != "sft"]))
+    fields = ", ".join(f"{k}: {v}" for k, v in stage.items())
     path.write_text(f"defaults: [{EXAMPLE / 'mixed.yaml'}]\n"
                     f"init_checkpoint: {os.path.abspath(os.path.join(cascade_out, 'stages', 'sft', 'final'))}\n"
-                    f"stages:\n{stages}\n")
+                    f"stages:\n  - {{{fields}}}\n")
     return path
 
 
@@ -290,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for seed, c_out, m_out in zip(args.seeds, cascade_outs, mixed_outs):
             run(EXAMPLE / "cascade.yaml", c_out, seed, args.overrides)
             if not args.no_mixed:
-                run(mixed_from_sft(m_out, c_out), m_out, seed, args.overrides)
+                run(mixed_from_sft(m_out, c_out, args.overrides), m_out, seed, run_level(args.overrides))
     cascades = [stage_results(o) for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
         raise SystemExit("no finished cascade run (or runs with different stages) under " + args.out)

@@ -3,8 +3,10 @@ from the weights the stage started from (``init_from``, not the row above), pass
 curves of stages evaluated during training (e.g. MOPD vs GRPO from the same weights) with their
 teachers' levels, and the step at which a curve reaches a teacher."""
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,18 @@ def _stage(kind, scores, se, init_from=None, teachers=None, steps=10):
     if teachers:
         record["teachers"] = teachers
     return record
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_cascade"
+
+
+@pytest.fixture(scope="module")
+def claims():
+    """benchmarks/claims.py as a module."""
+    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -88,13 +102,7 @@ def test_png_has_the_curve_panel(run_dir):
     assert os.path.getsize(path) > 10_000
 
 
-def test_claims_tables_from_finished_runs(run_dir):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
-    claims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(claims)
+def test_claims_tables_from_finished_runs(run_dir, claims):
     runs = [stage_results(run_dir)] * 2
     domains = {"sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]}
     gains = "\n".join(claims.gains_table(runs, domains))
@@ -108,13 +116,7 @@ def test_claims_tables_from_finished_runs(run_dir):
     assert os.path.getsize(png) > 10_000
 
 
-def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
-    claims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(claims)
+def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path, claims):
     mixed = tmp_path / "mixed"
     manifest = Manifest(str(mixed))
     manifest.record("stage_order", ["mixed_rl"])
@@ -141,20 +143,39 @@ def test_the_curve_panel_compares_mopd_with_grpo_from_the_same_start(run_dir):
     assert set(comparison(run_dir, curves)) == {"mopd", "grpo_ref"}
 
 
-def test_claims_mixed_config_starts_from_the_cascade_sft_with_a_relative_out(tmp_path, monkeypatch):
+def test_claims_mixed_config_starts_from_the_cascade_sft_with_a_relative_out(tmp_path, monkeypatch, claims):
     """``--out outputs/claims`` (relative, as the docstring runs it): the mixed config, written inside
     that folder, must still name the cascade's SFT weights (a relative path there would be read
     against the config's own folder: outputs/claims/outputs/claims/...)."""
-    import importlib.util
-    from pathlib import Path
-
     from megatron_cascade.config import load_config
 
-    spec = importlib.util.spec_from_file_location("claims", Path(__file__).parents[2] / "benchmarks" / "claims.py")
-    claims = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(claims)
     monkeypatch.chdir(tmp_path)
     config = claims.mixed_from_sft(os.path.join("outputs", "claims", "mixed_seed1"),
-                                   os.path.join("outputs", "claims", "cascade_seed1"))
+                                   os.path.join("outputs", "claims", "cascade_seed1"), [])
     cfg = load_config(str(config))
     assert cfg.init_checkpoint == str(tmp_path / "outputs" / "claims" / "cascade_seed1" / "stages" / "sft" / "final")
+
+
+def test_the_mixed_baseline_samples_the_cascades_data(tmp_path, claims):
+    """Equal terms: mixed RL samples as many responses per domain as the RL stages the cascade's end
+    comes from (if_rl, math_rl, mopd, code_rl; not grpo_ref), and the committed mixed.yaml is the stage
+    claims.py derives (before, mixed RL sampled 3.3x the cascade's code responses)."""
+    from megatron_cascade.config import load_config
+    from megatron_cascade.config.lineage import rl_samples_per_domain
+
+    cascade = load_config(str(EXAMPLE / "cascade.yaml"))
+    lineage = ["sft", "if_rl", "math_rl", "mopd", "code_rl"]
+    wanted = rl_samples_per_domain(cascade, lineage)
+    assert wanted == {"instruction_following": 15360, "math": 15360, "code": 2560}
+    stage = claims.equal_data_mixed_stage([])
+    mixed = rl_samples_per_domain(load_config(str(claims.mixed_from_sft(str(tmp_path / "m"), str(tmp_path / "c"), []))),
+                                  ["mixed_rl"])
+    assert mixed == pytest.approx(wanted)
+    committed = next(s for s in load_config(str(EXAMPLE / "mixed.yaml")).stages if s.name == "mixed_rl")
+    assert {k: getattr(committed, k) for k in ("steps", "prompts_per_step", "samples_per_prompt")} == {
+        k: stage[k] for k in ("steps", "prompts_per_step", "samples_per_prompt")}
+    assert dict(committed.domains) == stage["domains"]
+    # Overrides reach the derivation: a longer code stage buys mixed RL as much more code.
+    longer = claims.equal_data_mixed_stage(["stages.5.steps=80"])
+    assert longer["steps"] == 260 + 40 * 8 * 8 // 128
+    assert longer["domains"] == {"code": 1, "instruction_following": 3, "math": 3}  # 5,120 code : 15,360 each
