@@ -60,15 +60,22 @@ def run_level(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith("stages.")]
 
 
-def equal_data_mixed_stage(overrides: list[str]) -> dict:
-    """The mixed-RL stage on the cascade's data: mixed.yaml's RL batch (prompts x samples per step),
-    as many steps and the same responses per domain as the RL stages the cascade's end comes from
-    (its start chain and MOPD teachers; not the ``grpo_ref`` comparison)."""
+def cascade_data(overrides: list[str]) -> dict[str, float]:
+    """Responses per domain sampled by the RL stages the cascade's end comes from (its start chain and
+    MOPD teachers; not the ``grpo_ref`` comparison)."""
     from megatron_cascade.config import load_config
     from megatron_cascade.config.lineage import rl_samples_per_domain, stage_lineage
 
     cascade = load_config(str(EXAMPLE / "cascade.yaml"), overrides)
-    samples = rl_samples_per_domain(cascade, stage_lineage(cascade, cascade.stages[-1].name))
+    return rl_samples_per_domain(cascade, stage_lineage(cascade, cascade.stages[-1].name))
+
+
+def equal_data_mixed_stage(overrides: list[str]) -> dict:
+    """The mixed-RL stage on the cascade's data (:func:`cascade_data`): mixed.yaml's RL batch (prompts x
+    samples per step), as many steps as that many responses take and domain weights in their ratio."""
+    from megatron_cascade.config import load_config
+
+    samples = cascade_data(overrides)
     mixed = [s for s in load_config(str(EXAMPLE / "mixed.yaml"), run_level(overrides)).stages if s.type != "sft"]
     if len(mixed) != 1:
         raise SystemExit(f"mixed.yaml must have one RL stage, has {[s.name for s in mixed]}")
@@ -324,7 +331,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("\n".join(gains_table(cascades, domains_of)))
     mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if mixed:
-        print("\nforgetting: the cascade vs mixed RL with the same GRPO steps and data\n")
+        stage = equal_data_mixed_stage(args.overrides)
+        print("\nforgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
+              f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
+              f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
+              f"domain weights {stage['domains']})\n")
         print("\n".join(mixed_table(cascades, mixed, [o for o in mixed_outs if os.path.isfile(
             os.path.join(o, "manifest.json"))], domains_of)))
     print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
