@@ -4,6 +4,7 @@ reaches its teachers' scores in fewer steps than GRPO from the same weights.
 
     python benchmarks/claims.py --seeds 1234 1 2 3 4 --out outputs/claims            # runs, then prints
     python benchmarks/claims.py --seeds 1234 1 2 3 4 --out outputs/claims --no-run   # print finished runs
+    ... --no-run --readme README.md   # and write them into README's claims block
 
 Per seed it runs ``examples/tiny_cascade/cascade.yaml`` and the RL stage of ``mixed.yaml`` from that
 cascade's SFT weights (the same start, so only the RL schedule differs; ``seed=<s>``; a finished run
@@ -44,6 +45,9 @@ from megatron_cascade.cascade.report import StageResult, eval_curves, stage_resu
 
 EXAMPLE = ROOT / "examples" / "tiny_cascade"
 TOLERANCE = 0.03  # "within 0.03 of the teacher"
+# README's five-seed tables lie between these (``--readme``): written by this script, not by hand.
+README_BEGIN = "<!-- claims.py --readme: begin -->"
+README_END = "<!-- claims.py --readme: end -->"
 
 
 def run(config: Path, out: str, seed: int, overrides: list[str]) -> None:
@@ -312,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "outputs" / "claims"))
     parser.add_argument("--no-run", action="store_true", help="only print the tables of finished runs")
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed-RL baseline")
+    parser.add_argument("--readme", metavar="PATH",
+                        help=f"also write the tables into PATH between its {README_BEGIN!r} and {README_END!r} lines")
     parser.add_argument("overrides", nargs="*", help="config overrides for both runs (key=value)")
     args = parser.parse_args(argv)
     cascade_outs = [os.path.join(args.out, f"cascade_seed{s}") for s in args.seeds]
@@ -325,24 +331,38 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
         raise SystemExit("no finished cascade run (or runs with different stages) under " + args.out)
     domains_of = stage_domains(EXAMPLE / "cascade.yaml", args.overrides)
-    print(f"\nseeds {args.seeds}: mean ± standard error over seeds\n")
-    print("\n".join(stage_table(cascades)))
-    print("\nGRPO stages on their own domains (gain / SE: the change over the eval's standard error)\n")
-    print("\n".join(gains_table(cascades, domains_of)))
+    out = [f"seeds {args.seeds}: mean ± standard error over seeds", ""]
+    out += stage_table(cascades)
+    out += ["", "GRPO stages on their own domains (gain / SE: the change over the eval's standard error)", ""]
+    out += gains_table(cascades, domains_of)
     mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
     if mixed:
         stage = equal_data_mixed_stage(args.overrides)
-        print("\nforgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
-              f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
-              f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
-              f"domain weights {stage['domains']})\n")
-        print("\n".join(mixed_table(cascades, mixed, [o for o in mixed_outs if os.path.isfile(
-            os.path.join(o, "manifest.json"))], domains_of)))
-    print(f"\nMOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score\n")
+        out += ["", "forgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
+                f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
+                f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
+                f"domain weights {stage['domains']})", ""]
+        out += mixed_table(cascades, mixed, [o for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))],
+                           domains_of)
+    out += ["", f"MOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score", ""]
     finished = [o for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
-    print("\n".join(mopd_vs_grpo(finished, cascades, domains_of)))
+    out += mopd_vs_grpo(finished, cascades, domains_of)
+    print("\n" + "\n".join(out))
     print("\nwrote", write_claims_png(os.path.join(args.out, "claims.png"), finished, cascades, mixed, domains_of))
+    if args.readme:
+        print("wrote", write_readme_block(args.readme, out))
 
+
+def write_readme_block(path: str, lines: list[str]) -> str:
+    """Put ``lines`` as a code block between the ``README_BEGIN`` and ``README_END`` markers of the
+    markdown file ``path`` (what is between them is replaced; the rest is kept byte for byte)."""
+    text = Path(path).read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin or text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        raise SystemExit(f"{path}: needs one {README_BEGIN!r} line followed by one {README_END!r} line")
+    block = "\n".join(["", "```", *(line.rstrip() for line in lines), "```", ""])
+    Path(path).write_text(text[:begin + len(README_BEGIN)] + block + text[end:])
+    return path
 
 if __name__ == "__main__":
     main()

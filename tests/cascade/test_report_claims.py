@@ -179,3 +179,30 @@ def test_the_mixed_baseline_samples_the_cascades_data(tmp_path, claims):
     longer = claims.equal_data_mixed_stage(["stages.5.steps=80"])
     assert longer["steps"] == 260 + 40 * 8 * 8 // 128
     assert longer["domains"] == {"code": 1, "instruction_following": 3, "math": 3}  # 5,120 code : 15,360 each
+
+
+def test_readme_block_is_written_by_the_benchmark(run_dir, tmp_path, monkeypatch, claims):
+    """``--no-run --readme``: the printed tables replace what lies between README's markers, the rest of
+    the file is kept; the committed README has the markers (once), and a file without them is refused
+    untouched."""
+    readme = Path(__file__).parents[2] / "README.md"
+    text = readme.read_text()
+    assert text.count(claims.README_BEGIN) == 1 and text.count(claims.README_END) == 1
+    assert text.index(claims.README_BEGIN) < text.index(claims.README_END)
+    out = tmp_path / "out"
+    os.makedirs(out)
+    os.symlink(run_dir, out / "cascade_seed7")
+    monkeypatch.setattr(claims, "stage_domains", lambda config, overrides: {  # the fixture's stages
+        "sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]})
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{claims.README_BEGIN}\nold table\n{claims.README_END}\nafter\n")
+    claims.main(["--seeds", "7", "--out", str(out), "--no-run", "--no-mixed", "--readme", str(doc)])
+    written = doc.read_text()
+    assert "old table" not in written and written.startswith(f"before\n{claims.README_BEGIN}\n```\nseeds [7]")
+    assert written.endswith(f"```\n{claims.README_END}\nafter\n")
+    assert "MOPD vs GRPO" in written and "a_rl" in written
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="needs one"):
+        claims.write_readme_block(str(plain), ["x"])
+    assert plain.read_text() == "no markers\n"
