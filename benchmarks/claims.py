@@ -103,6 +103,18 @@ def mixed_from_sft(folder: str, cascade_out: str, overrides: list[str]) -> Path:
     return path
 
 
+def finished(out: str) -> bool:
+    """Whether the run in ``out`` completed every stage it lists (a running or interrupted one has a
+    manifest too)."""
+    from megatron_cascade.cascade.manifest import Manifest
+
+    if not os.path.isfile(os.path.join(out, "manifest.json")):
+        return False
+    data = Manifest(out).data
+    order = data.get("stage_order") or list(data["stages"])
+    return bool(order) and all(data["stages"].get(name, {}).get("status") == "complete" for name in order)
+
+
 def mean_se(values: list[float], signed: bool = False) -> str:
     """``mean±se`` over seeds (the SE is the sample std / sqrt(n); only the mean with one value)."""
     if not values:
@@ -327,28 +339,32 @@ def main(argv: Optional[list[str]] = None) -> None:
             run(EXAMPLE / "cascade.yaml", c_out, seed, args.overrides)
             if not args.no_mixed:
                 run(mixed_from_sft(m_out, c_out, args.overrides), m_out, seed, run_level(args.overrides))
-    cascades = [stage_results(o) for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
+    cascade_seeds = [s for s, o in zip(args.seeds, cascade_outs) if finished(o)]
+    cascades = [stage_results(o) for o in cascade_outs if finished(o)]
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
-        raise SystemExit("no finished cascade run (or runs with different stages) under " + args.out)
+        raise SystemExit(f"no finished cascade run (or runs with different stages) under {args.out} (seeds {args.seeds})")
     domains_of = stage_domains(EXAMPLE / "cascade.yaml", args.overrides)
-    out = [f"seeds {args.seeds}: mean ± standard error over seeds", ""]
+    out = [f"seeds {cascade_seeds}: mean ± standard error over seeds"
+           + (f" (not finished: {sorted(set(args.seeds) - set(cascade_seeds))})" if len(cascade_seeds) < len(args.seeds) else ""),
+           ""]
     out += stage_table(cascades)
     out += ["", "GRPO stages on their own domains (gain / SE: the change over the eval's standard error)", ""]
     out += gains_table(cascades, domains_of)
-    mixed = [stage_results(o) for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
+    mixed_seeds = [s for s, o in zip(args.seeds, mixed_outs) if finished(o)]
+    mixed_done = [o for o in mixed_outs if finished(o)]
+    mixed = [stage_results(o) for o in mixed_done]
     if mixed:
         stage = equal_data_mixed_stage(args.overrides)
         out += ["", "forgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
                 f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
                 f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
-                f"domain weights {stage['domains']})", ""]
-        out += mixed_table(cascades, mixed, [o for o in mixed_outs if os.path.isfile(os.path.join(o, "manifest.json"))],
-                           domains_of)
+                f"domain weights {stage['domains']}; seeds {mixed_seeds})", ""]
+        out += mixed_table(cascades, mixed, mixed_done, domains_of)
     out += ["", f"MOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score", ""]
-    finished = [o for o in cascade_outs if os.path.isfile(os.path.join(o, "manifest.json"))]
-    out += mopd_vs_grpo(finished, cascades, domains_of)
+    done = [o for o in cascade_outs if finished(o)]
+    out += mopd_vs_grpo(done, cascades, domains_of)
     print("\n" + "\n".join(out))
-    print("\nwrote", write_claims_png(os.path.join(args.out, "claims.png"), finished, cascades, mixed, domains_of))
+    print("\nwrote", write_claims_png(os.path.join(args.out, "claims.png"), done, cascades, mixed, domains_of))
     if args.readme:
         print("wrote", write_readme_block(args.readme, out))
 

@@ -182,9 +182,9 @@ def test_the_mixed_baseline_samples_the_cascades_data(tmp_path, claims):
 
 
 def test_readme_block_is_written_by_the_benchmark(run_dir, tmp_path, monkeypatch, claims):
-    """``--no-run --readme``: the printed tables replace what lies between README's markers, the rest of
-    the file is kept; the committed README has the markers (once), and a file without them is refused
-    untouched."""
+    """``--no-run --readme``: the printed tables of the finished runs (a running one has a manifest too)
+    replace what lies between README's markers, the rest of the file is kept; the committed README has
+    the markers (once), and a file without them is refused untouched."""
     readme = Path(__file__).parents[2] / "README.md"
     text = readme.read_text()
     assert text.count(claims.README_BEGIN) == 1 and text.count(claims.README_END) == 1
@@ -192,13 +192,18 @@ def test_readme_block_is_written_by_the_benchmark(run_dir, tmp_path, monkeypatch
     out = tmp_path / "out"
     os.makedirs(out)
     os.symlink(run_dir, out / "cascade_seed7")
+    for running in ("cascade_seed8", "mixed_seed7"):
+        Manifest(str(out / running)).record("stage_order", ["sft", "mixed_rl"])
     monkeypatch.setattr(claims, "stage_domains", lambda config, overrides: {  # the fixture's stages
         "sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]})
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{claims.README_BEGIN}\nold table\n{claims.README_END}\nafter\n")
-    claims.main(["--seeds", "7", "--out", str(out), "--no-run", "--no-mixed", "--readme", str(doc)])
+    claims.main(["--seeds", "7", "8", "--out", str(out), "--no-run", "--readme", str(doc)])
     written = doc.read_text()
-    assert "old table" not in written and written.startswith(f"before\n{claims.README_BEGIN}\n```\nseeds [7]")
+    assert "old table" not in written
+    assert written.startswith(f"before\n{claims.README_BEGIN}\n```\nseeds [7]: mean ± standard error over seeds "
+                              "(not finished: [8])\n")
+    assert "forgetting" not in written  # mixed_seed7 is still running
     assert written.endswith(f"```\n{claims.README_END}\nafter\n")
     assert "MOPD vs GRPO" in written and "a_rl" in written
     plain = tmp_path / "plain.md"
