@@ -340,7 +340,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             if not args.no_mixed:
                 run(mixed_from_sft(m_out, c_out, args.overrides), m_out, seed, run_level(args.overrides))
     cascade_seeds = [s for s, o in zip(args.seeds, cascade_outs) if finished(o)]
-    cascades = [stage_results(o) for o in cascade_outs if finished(o)]
+    done = [o for o in cascade_outs if finished(o)]
+    cascades = [stage_results(o) for o in done]
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
         raise SystemExit(f"no finished cascade run (or runs with different stages) under {args.out} (seeds {args.seeds})")
     domains_of = stage_domains(EXAMPLE / "cascade.yaml", args.overrides)
@@ -361,7 +362,6 @@ def main(argv: Optional[list[str]] = None) -> None:
                 f"domain weights {stage['domains']}; seeds {mixed_seeds})", ""]
         out += mixed_table(cascades, mixed, mixed_done, domains_of)
     out += ["", f"MOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score", ""]
-    done = [o for o in cascade_outs if finished(o)]
     out += mopd_vs_grpo(done, cascades, domains_of)
     print("\n" + "\n".join(out))
     print("\nwrote", write_claims_png(os.path.join(args.out, "claims.png"), done, cascades, mixed, domains_of))
@@ -379,6 +379,7 @@ def write_readme_block(path: str, lines: list[str]) -> str:
     block = "\n".join(["", "```", *(line.rstrip() for line in lines), "```", ""])
     Path(path).write_text(text[:begin + len(README_BEGIN)] + block + text[end:])
     return path
+
 
 if __name__ == "__main__":
     main()
