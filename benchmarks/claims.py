@@ -173,10 +173,11 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
                 domains_of: dict[str, list[str]]) -> list[str]:
     """Per domain: the SFT score, the cascade's score right after the GRPO stage for that domain alone,
     at the cascade's end (what later stages left of it) and mixed RL's end; then each run's drop from
-    the domain's own best (cascade: its own stage; mixed: its best periodic eval), paired per seed."""
+    the domain's own best (cascade: its own stage; mixed: its best periodic eval). ``cascades[i]`` and
+    ``mixed[i]`` are one seed's runs: the cascade's end minus mixed RL's is paired per seed."""
     domains = sorted({d for r in cascades[0] for d in r.scores})
     lines = [f"{'domain':<24}{'SFT':>12}{'own stage':>22}{'cascade end':>14}{'mixed RL end':>14}"
-             f"{'cascade drop':>14}{'mixed drop':>12}"]
+             f"{'cascade - mixed':>17}{'cascade drop':>14}{'mixed drop':>12}"]
     mixed_curves = [eval_curves(out) for out in mixed_outs]
     for d in domains:
         own = next((i for i, r in enumerate(cascades[0]) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
@@ -190,6 +191,7 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
         cascade_drop = [a - e for a, e in zip(after, end)]
         mixed_drop = [b - e for b, e in zip(best, mix)]
         lines.append(f"{d:<24}{mean_se(sft):>12}{label:>22}{mean_se(end):>14}{mean_se(mix):>14}"
+                     f"{mean_se([e - m for e, m in zip(end, mix)], signed=True):>17}"
                      f"{mean_se(cascade_drop):>14}{mean_se(mixed_drop):>12}")
     return lines
 
@@ -351,16 +353,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     out += stage_table(cascades)
     out += ["", "GRPO stages on their own domains (gain / SE: the change over the eval's standard error)", ""]
     out += gains_table(cascades, domains_of)
-    mixed_seeds = [s for s, o in zip(args.seeds, mixed_outs) if finished(o)]
-    mixed_done = [o for o in mixed_outs if finished(o)]
-    mixed = [stage_results(o) for o in mixed_done]
+    paired = [(s, c, m) for s, c, m in zip(args.seeds, cascade_outs, mixed_outs) if finished(c) and finished(m)]
+    mixed_seeds = [s for s, _, _ in paired]
+    mixed_done = [m for _, _, m in paired]
+    mixed = [stage_results(m) for m in mixed_done]
     if mixed:
         stage = equal_data_mixed_stage(args.overrides)
         out += ["", "forgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
                 f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
                 f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
                 f"domain weights {stage['domains']}; seeds {mixed_seeds})", ""]
-        out += mixed_table(cascades, mixed, mixed_done, domains_of)
+        out += mixed_table([stage_results(c) for _, c, _ in paired], mixed, mixed_done, domains_of)
     out += ["", f"MOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score", ""]
     out += mopd_vs_grpo(done, cascades, domains_of)
     print("\n" + "\n".join(out))
