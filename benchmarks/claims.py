@@ -341,9 +341,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             run(EXAMPLE / "cascade.yaml", c_out, seed, args.overrides)
             if not args.no_mixed:
                 run(mixed_from_sft(m_out, c_out, args.overrides), m_out, seed, run_level(args.overrides))
-    cascade_seeds = [s for s, o in zip(args.seeds, cascade_outs) if finished(o)]
-    done = [o for o in cascade_outs if finished(o)]
-    cascades = [stage_results(o) for o in done]
+    finished_cascades = {o: stage_results(o) for o in cascade_outs if finished(o)}  # each manifest read once
+    cascade_seeds = [s for s, o in zip(args.seeds, cascade_outs) if o in finished_cascades]
+    done, cascades = list(finished_cascades), list(finished_cascades.values())
     if not cascades or any(len(r) != len(cascades[0]) for r in cascades):
         raise SystemExit(f"no finished cascade run (or runs with different stages) under {args.out} (seeds {args.seeds})")
     domains_of = stage_domains(EXAMPLE / "cascade.yaml", args.overrides)
@@ -353,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     out += stage_table(cascades)
     out += ["", "GRPO stages on their own domains (gain / SE: the change over the eval's standard error)", ""]
     out += gains_table(cascades, domains_of)
-    paired = [(s, c, m) for s, c, m in zip(args.seeds, cascade_outs, mixed_outs) if finished(c) and finished(m)]
+    paired = [(s, c, m) for s, c, m in zip(args.seeds, cascade_outs, mixed_outs) if c in finished_cascades and finished(m)]
     mixed_seeds = [s for s, _, _ in paired]
     mixed_done = [m for _, _, m in paired]
     mixed = [stage_results(m) for m in mixed_done]
@@ -363,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
                 f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
                 f"domain weights {stage['domains']}; seeds {mixed_seeds})", ""]
-        out += mixed_table([stage_results(c) for _, c, _ in paired], mixed, mixed_done, domains_of)
+        out += mixed_table([finished_cascades[c] for _, c, _ in paired], mixed, mixed_done, domains_of)
     out += ["", f"MOPD vs GRPO: stage steps to within {TOLERANCE} of the teacher's held-out score", ""]
     out += mopd_vs_grpo(done, cascades, domains_of)
     print("\n" + "\n".join(out))
