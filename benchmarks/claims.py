@@ -65,13 +65,17 @@ def run_level(overrides: list[str]) -> list[str]:
 
 
 def cascade_data(overrides: list[str]) -> dict[str, float]:
-    """Responses per domain sampled by the RL stages the cascade's end comes from (its start chain and
-    MOPD teachers; not the ``grpo_ref`` comparison)."""
+    """Responses per domain sampled by the RL stages the cascade's end (:func:`cascade_end`) comes
+    from: its start chain and MOPD teachers, not the ``grpo_ref`` comparison."""
     from megatron_cascade.config import load_config
     from megatron_cascade.config.lineage import rl_samples_per_domain, stage_lineage
+    from megatron_cascade.config.loader import start_stage
 
     cascade = load_config(str(EXAMPLE / "cascade.yaml"), overrides)
-    return rl_samples_per_domain(cascade, stage_lineage(cascade, cascade.stages[-1].name))
+    stages = [StageResult(s.name, s.type, start_stage(cascade, i), {}, teachers=dict(s.teachers))
+              for i, s in enumerate(cascade.stages)]
+    end = cascade_end(stages, {s.name: list(s.domains) for s in cascade.stages})
+    return rl_samples_per_domain(cascade, stage_lineage(cascade, end.name))
 
 
 def equal_data_mixed_stage(overrides: list[str]) -> dict:
@@ -183,7 +187,7 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
         own = next((i for i, r in enumerate(cascades[0]) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
         sft = [run_[0].scores[d] for run_ in cascades if d in run_[0].scores]
         after = [run_[own].scores[d] for run_ in cascades] if own is not None else []
-        end = [run_[-1].scores[d] for run_ in cascades if d in run_[-1].scores]
+        end = [s.scores[d] for s in (cascade_end(run_, domains_of) for run_ in cascades) if d in s.scores]
         mix = [run_[-1].scores[d] for run_ in mixed if d in run_[-1].scores]
         best = [max(score for step, score in curves[run_[-1].name][d] if step > 0)  # step 0: its start
                 for run_, curves in zip(mixed, mixed_curves) if d in curves.get(run_[-1].name, {})]
@@ -200,6 +204,14 @@ def _grpo_beside(mopd: StageResult, stages: list[StageResult], domains_of: dict[
     """The GRPO stage compared with ``mopd``: the same start weights and the same domains."""
     return next((s for s in stages if s.type == "grpo" and s.start == mopd.start
                  and sorted(domains_of[s.name]) == sorted(domains_of[mopd.name])), None)
+
+
+def cascade_end(stages: list[StageResult], domains_of: dict[str, list[str]]) -> StageResult:
+    """The stage whose weights are the cascade's result: its last stage that is not the GRPO
+    comparison beside a MOPD stage (:func:`_grpo_beside`; the recipe places MOPD last, the
+    comparison may run after it)."""
+    beside = {g.name for m in stages if m.teachers for g in [_grpo_beside(m, stages, domains_of)] if g is not None}
+    return [s for s in stages if s.name not in beside][-1]
 
 
 def mopd_vs_grpo(outs: list[str], runs: list[list[StageResult]], domains_of: dict[str, list[str]]) -> list[str]:
@@ -271,7 +283,7 @@ def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult
     series = {"SFT": [[run_[0].scores.get(d) for run_ in cascades] for d in domains],
               "own GRPO stage": [[run_[own[d]].scores[d] for run_ in cascades] if own[d] is not None else []
                                  for d in domains],
-              "cascade end": [[run_[-1].scores.get(d) for run_ in cascades] for d in domains],
+              "cascade end": [[cascade_end(run_, domains_of).scores.get(d) for run_ in cascades] for d in domains],
               "mixed RL end": [[run_[-1].scores.get(d) for run_ in mixed] for d in domains]}
     width = 0.8 / len(series)
     for k, (label, per_domain) in enumerate(series.items()):
@@ -359,7 +371,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     mixed = [stage_results(m) for m in mixed_done]
     if mixed:
         stage = equal_data_mixed_stage(args.overrides)
-        out += ["", "forgetting: the cascade vs mixed RL on the same RL data (responses per domain of the stages the "
+        out += ["", f"forgetting: the cascade (its end: {cascade_end(cascades[0], domains_of).name}) vs mixed RL on "
+                "the same RL data (responses per domain of the stages the "
                 f"cascade's end comes from, {', '.join(f'{d} {n:.0f}' for d, n in sorted(cascade_data(args.overrides).items()))}; "
                 f"mixed RL: {stage['steps']} steps of {stage['prompts_per_step']} x {stage['samples_per_prompt']}, "
                 f"domain weights {stage['domains']}; seeds {mixed_seeds})", ""]

@@ -127,9 +127,21 @@ def test_claims_mixed_table_puts_the_cascade_next_to_mixed_rl(run_dir, tmp_path,
         json.dumps({"step": 5, "eval/a": 0.65, "eval/b": 0.45}) + "\n")  # its best on a, before its end
     lines = claims.mixed_table([stage_results(run_dir)], [stage_results(str(mixed))], [str(mixed)], domains)
     a = next(line for line in lines if line.startswith("a "))
-    # SFT 0.30, after a_rl 0.80, cascade end (grpo_ref, the last stage) 0.60, mixed 0.55, the cascade
-    # minus mixed +0.05; drops from each run's own best: the cascade 0.80 - 0.60, mixed 0.65 - 0.55
-    assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.60", "0.55", "+0.05", "0.20", "0.10"]
+    # SFT 0.30, after a_rl 0.80, the cascade's end 0.79 (mopd: grpo_ref, the last stage, is its
+    # comparison), mixed 0.55, the cascade minus mixed +0.24; drops from each run's own best: the
+    # cascade 0.80 - 0.79, mixed 0.65 - 0.55
+    assert a.split()[1:] == ["0.30", "0.80", "(a_rl)", "0.79", "0.55", "+0.24", "0.01", "0.10"]
+
+
+def test_the_cascade_end_is_its_last_stage_but_the_grpo_comparison(run_dir, claims):
+    """The comparison beside MOPD (a GRPO stage from MOPD's start on MOPD's domains) is not the
+    cascade, wherever it runs; any other last stage is its end."""
+    runs = stage_results(run_dir)
+    domains = {"sft": ["a", "b"], "a_rl": ["a"], "b_rl": ["b"], "mopd": ["a", "b"], "grpo_ref": ["a", "b"]}
+    assert claims.cascade_end(runs, domains).name == "mopd"
+    assert claims.cascade_end([runs[i] for i in (0, 1, 2, 4, 3)], domains).name == "mopd"
+    assert claims.cascade_end(runs, {**domains, "grpo_ref": ["a"]}).name == "grpo_ref"  # other domains
+    assert claims.cascade_end(runs[:3] + runs[4:], domains).name == "grpo_ref"  # no MOPD beside it
 
 
 def test_the_curve_panel_compares_mopd_with_grpo_from_the_same_start(run_dir):
@@ -158,15 +170,17 @@ def test_claims_mixed_config_starts_from_the_cascade_sft_with_a_relative_out(tmp
 
 def test_the_mixed_baseline_samples_the_cascades_data(tmp_path, claims):
     """Equal terms: mixed RL samples as many responses per domain as the RL stages the cascade's end
-    comes from (if_rl, math_rl, mopd, code_rl; not grpo_ref), and the committed mixed.yaml is the stage
-    claims.py derives (before, mixed RL sampled 3.3x the cascade's code responses)."""
+    (mopd) comes from (if_rl, math_rl, code_rl, mopd; not grpo_ref, which runs last), and the
+    committed mixed.yaml is the stage claims.py derives (before, mixed RL sampled 3.3x the cascade's
+    code responses)."""
     from megatron_cascade.config import load_config
     from megatron_cascade.config.lineage import rl_samples_per_domain
 
     cascade = load_config(str(EXAMPLE / "cascade.yaml"))
-    lineage = ["sft", "if_rl", "math_rl", "mopd", "code_rl"]
+    assert cascade.stages[-1].name == "grpo_ref"
+    lineage = ["sft", "if_rl", "math_rl", "code_rl", "mopd"]
     wanted = rl_samples_per_domain(cascade, lineage)
-    assert wanted == {"instruction_following": 15360, "math": 15360, "code": 2560}
+    assert wanted == {"instruction_following": 14336, "math": 14336, "code": 4608}
     stage = claims.equal_data_mixed_stage([])
     mixed = rl_samples_per_domain(load_config(str(claims.mixed_from_sft(str(tmp_path / "m"), str(tmp_path / "c"), []))),
                                   ["mixed_rl"])
@@ -176,9 +190,9 @@ def test_the_mixed_baseline_samples_the_cascades_data(tmp_path, claims):
         k: stage[k] for k in ("steps", "prompts_per_step", "samples_per_prompt")}
     assert dict(committed.domains) == stage["domains"]
     # Overrides reach the derivation: a longer code stage buys mixed RL as much more code.
-    longer = claims.equal_data_mixed_stage(["stages.5.steps=80"])
+    longer = claims.equal_data_mixed_stage(["stages.3.steps=80"])
     assert longer["steps"] == 260 + 40 * 8 * 8 // 128
-    assert longer["domains"] == {"code": 1, "instruction_following": 3, "math": 3}  # 5,120 code : 15,360 each
+    assert longer["domains"] == {"code": 1, "instruction_following": 2, "math": 2}  # 7,168 code : 14,336 each
 
 
 def test_readme_block_is_written_by_the_benchmark(run_dir, tmp_path, monkeypatch, claims):
