@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: install, then run the tiny cascade on CPU (sft -> if_rl -> math_rl -> mopd, with
-# grpo_ref: GRPO from the same SFT weights as MOPD, for comparison -> code_rl from MOPD) and print its
+# The main job: install, then run the tiny cascade on CPU (sft -> if_rl -> math_rl -> code_rl -> mopd,
+# with grpo_ref: GRPO from the same weights as MOPD, for comparison) and print its
 # report (score ± standard error per stage and domain, pass@8, report.png). Extra arguments are config
 # overrides (key=value). benchmarks/claims.py repeats it over seeds next to the mixed-RL baseline.
 set -euo pipefail
