@@ -44,15 +44,18 @@ make_tasks = _load("make_swe_tasks", ROOT / "examples" / "swe_tasks" / "make_tas
 
 
 @pytest.fixture(scope="module")
-def sandbox_tmp():
+def sandbox_tmp(tmp_path_factory):
     """Sandboxes of this module make their directories in a folder of their own: the leftover checks
-    below see only this module's sandboxes (other test runs on the machine have theirs)."""
+    below see only this module's sandboxes (other test runs on the machine have theirs). pytest's
+    base temporary folder is made first, outside it: made inside, the removal below would take it
+    from every later test (their tmp_path failed with FileNotFoundError when this module ran first)."""
+    tmp_path_factory.getbasetemp()
     folder = tempfile.mkdtemp(prefix="mc-swe-test-")
     before, tempfile.tempdir = tempfile.tempdir, folder
     yield folder
     tempfile.tempdir = before
     assert glob.glob(os.path.join(folder, "mc-sandbox-*")) == []  # every sandbox removed its directory
-    shutil.rmtree(folder)  # what else used the temporary folder meanwhile (pytest's tmp_path)
+    shutil.rmtree(folder)
 
 
 @pytest.fixture(scope="module")
