@@ -183,11 +183,12 @@ def mixed_table(cascades: list[list[StageResult]], mixed: list[list[StageResult]
     lines = [f"{'domain':<24}{'SFT':>12}{'own stage':>22}{'cascade end':>14}{'mixed RL end':>14}"
              f"{'cascade - mixed':>17}{'cascade drop':>14}{'mixed drop':>12}"]
     mixed_curves = [eval_curves(out) for out in mixed_outs]
+    ends = [cascade_end(run_, domains_of) for run_ in cascades]
     for d in domains:
         own = next((i for i, r in enumerate(cascades[0]) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
         sft = [run_[0].scores[d] for run_ in cascades if d in run_[0].scores]
         after = [run_[own].scores[d] for run_ in cascades] if own is not None else []
-        end = [s.scores[d] for s in (cascade_end(run_, domains_of) for run_ in cascades) if d in s.scores]
+        end = [s.scores[d] for s in ends if d in s.scores]
         mix = [run_[-1].scores[d] for run_ in mixed if d in run_[-1].scores]
         best = [max(score for step, score in curves[run_[-1].name][d] if step > 0)  # step 0: its start
                 for run_, curves in zip(mixed, mixed_curves) if d in curves.get(run_[-1].name, {})]
@@ -280,10 +281,11 @@ def write_claims_png(path: str, outs: list[str], cascades: list[list[StageResult
     bars = axes[0][0]
     own = {d: next((i for i, r in enumerate(first) if r.type == "grpo" and domains_of.get(r.name) == [d]), None)
            for d in domains}
+    ends = [cascade_end(run_, domains_of) for run_ in cascades]
     series = {"SFT": [[run_[0].scores.get(d) for run_ in cascades] for d in domains],
               "own GRPO stage": [[run_[own[d]].scores[d] for run_ in cascades] if own[d] is not None else []
                                  for d in domains],
-              "cascade end": [[cascade_end(run_, domains_of).scores.get(d) for run_ in cascades] for d in domains],
+              "cascade end": [[end.scores.get(d) for end in ends] for d in domains],
               "mixed RL end": [[run_[-1].scores.get(d) for run_ in mixed] for d in domains]}
     width = 0.8 / len(series)
     for k, (label, per_domain) in enumerate(series.items()):

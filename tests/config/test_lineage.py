@@ -15,11 +15,11 @@ def test_the_lineage_follows_starts_and_teachers_not_the_comparison():
     assert stage_lineage(cfg, "mopd") == ["sft", "if_rl", "math_rl", "code_rl", "mopd"]  # its teachers are on the chain
     assert stage_lineage(cfg, "code_rl") == ["sft", "if_rl", "math_rl", "code_rl"]
     assert stage_lineage(cfg, "grpo_ref") == ["sft", "if_rl", "math_rl", "code_rl", "grpo_ref"]  # no teachers
-    cfg = load_config(str(CASCADE), ["stages.4.init_from=sft"])
-    assert stage_lineage(cfg, "mopd") == ["sft", "if_rl", "math_rl", "code_rl", "mopd"]  # through its teachers
     assert stage_lineage(cfg, "math_rl") == ["sft", "if_rl", "math_rl"]  # starts from the previous stage
     with pytest.raises(ConfigError, match="'nope' is not in this run"):
         stage_lineage(cfg, "nope")
+    from_sft = load_config(str(CASCADE), ["stages.4.init_from=sft"])
+    assert stage_lineage(from_sft, "mopd") == ["sft", "if_rl", "math_rl", "code_rl", "mopd"]  # through its teachers
 
 
 def test_rl_samples_split_each_stage_by_its_domain_weights_and_skip_sft():
