@@ -4,8 +4,8 @@
 are compared after stripping trailing whitespace on each line and trailing blank lines.
 Reward: 1.0 only if every test passes; with ``partial=True`` (kwarg, or ``sample["partial"]``)
 the fraction of passed tests. Programs run in :class:`~megatron_cascade.rewards.sandbox.CodeSandbox`;
-the batch form runs all (response, test) pairs of a batch on one pool and, in
-all-or-nothing mode, skips the remaining tests of a response once one has failed.
+the batch form runs all (response, test) pairs of a batch on one pool -- each distinct (program,
+stdin) once -- and, in all-or-nothing mode, skips the remaining tests of a response once one has failed.
 """
 
 from __future__ import annotations
@@ -75,11 +75,21 @@ def _tests_of(sample: dict) -> list[tuple[str, str]]:
 
 
 def _jobs(responses: Sequence[str], samples: Sequence[dict]
-          ) -> tuple[list[tuple[int, Program, str]], list[int], dict[int, Exception]]:
-    """Flatten to (response index, program, expected output); also tests per response and the
-    items that cannot be scored at all with their exception: a malformed row (an error) or a program
-    ``compile`` chokes on (a :class:`ResponseFault`); the rest of the batch runs."""
-    jobs, n_tests, errors = [], [], {}
+          ) -> tuple[list[Program], list[list[tuple[int, str]]], list[int], dict[int, Exception]]:
+    """The distinct programs of a batch to run, each with the (response index, expected output)
+    pairs it is judged for; also tests per response and the items that cannot be scored at all
+    with their exception: a malformed row (an error) or a program ``compile`` chokes on (a
+    :class:`ResponseFault`); the rest of the batch runs.
+
+    A (source, stdin) pair runs once per batch however many responses hold it: the samples of one
+    prompt often write the same program (after RL, most of them), and its run is a sample of the
+    same distribution for each -- a nondeterministic program's copies share one draw, which leaves
+    each response's expected reward unchanged.
+    """
+    programs: list[Program] = []
+    judged_for: list[list[tuple[int, str]]] = []
+    index: dict[tuple[str, str], int] = {}
+    n_tests, errors = [], {}
     for i, (response, sample) in enumerate(zip(responses, samples)):
         try:
             tests = _tests_of(sample)
@@ -90,46 +100,50 @@ def _jobs(responses: Sequence[str], samples: Sequence[dict]
             n_tests.append(0)
             continue
         n_tests.append(len(tests))
-        if runnable:
-            jobs.extend((i, Program(source, stdin), expected) for stdin, expected in tests)
-    return jobs, n_tests, errors
+        if not runnable:
+            continue
+        for stdin, expected in tests:
+            j = index.setdefault((source, stdin), len(programs))
+            if j == len(programs):
+                programs.append(Program(source, stdin))
+                judged_for.append([])
+            judged_for[j].append((i, expected))
+    return programs, judged_for, n_tests, errors
 
 
 def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
                       timeout_s: float = 5.0, memory_mb: int = 1024, partial: bool = False,
                       max_workers: int | None = None, max_processes: int = 4, allow_unsafe_sandbox: bool = False,
                       uid_base: int = 61000) -> list[float | BaseException]:
-    """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool. A malformed
-    row (an error) or a program that breaks the compile check (a :class:`ResponseFault`) is returned
-    as that item's exception.
+    """Batch form of :func:`code_reward` (same kwargs); runs everything on one pool, each distinct
+    (program, stdin) once. A malformed row (an error) or a program that breaks the compile check (a
+    :class:`ResponseFault`) is returned as that item's exception.
 
     Raises:
         SandboxUnavailableError: isolation cannot be had here and ``allow_unsafe_sandbox`` is off.
     """
     sandbox = CodeSandbox(max_workers=max_workers, allow_unsafe=allow_unsafe_sandbox, uid_base=uid_base)
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes)
-    jobs, n_tests, errors = _jobs(responses, samples)
+    programs, judged_for, n_tests, errors = _jobs(responses, samples)
     partial_of = [bool(s.get("partial", partial)) if isinstance(s, dict) else partial for s in samples]
     failed: set[int] = set()
     lock = threading.Lock()
 
-    def should_run(j: int) -> bool:
-        i = jobs[j][0]
+    def should_run(j: int) -> bool:  # all-or-nothing responses that already failed need no more runs
         with lock:
-            return partial_of[i] or i not in failed
+            return any(partial_of[i] or i not in failed for i, _ in judged_for[j])
 
     passed = [0] * len(responses)
 
     def on_result(j: int, result: SandboxResult) -> None:
-        i, _, expected = jobs[j]
-        ok = result.ok and normalize_output(result.stdout) == normalize_output(expected)
         with lock:
-            if ok:
-                passed[i] += 1
-            elif not result.skipped:
-                failed.add(i)
+            for i, expected in judged_for[j]:
+                if result.ok and normalize_output(result.stdout) == normalize_output(expected):
+                    passed[i] += 1
+                elif not result.skipped:
+                    failed.add(i)
 
-    sandbox.run_many([p for _, p, _ in jobs], limits, should_run=should_run, on_result=on_result)
+    sandbox.run_many(programs, limits, should_run=should_run, on_result=on_result)
     return [errors[i] if i in errors else _score(passed[i], n_tests[i], partial_of[i])
             for i in range(len(responses))]
 

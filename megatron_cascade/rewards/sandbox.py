@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import marshal
 import os
 import platform
 import shutil
@@ -383,7 +384,7 @@ class CodeSandbox:
         with open(os.path.join(iodir, "stdin"), "w", encoding="utf-8") as f:
             f.write(program.stdin)
         cfg = self._launcher_config(root, workdir, source, limits, isolate, uid)
-        argv = [self.python, "-I", "-S", "-B", "-c", _launcher_source(), json.dumps(cfg)]
+        argv = [self.python, "-I", "-S", "-B", "-c", _launcher_source(), marshal.dumps(cfg, 2).hex()]
         return self._spawn(argv, iodir, root, limits, isolate, uid)
 
     def _launcher_config(self, root: str, workdir: str, source: str, limits: SandboxLimits, isolate: bool,

@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import pwd
+import select
 import shutil
 import signal
 import stat
@@ -157,18 +158,41 @@ def _wait_exited(pid: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` seconds for child ``pid`` to exit, *without* reaping it.
 
     Keeping the zombie keeps its pid (= our session/process-group id) from being reused,
-    so a later ``killpg`` cannot hit an unrelated process group.
+    so a later ``killpg`` cannot hit an unrelated process group. A pidfd (Linux >= 5.3) wakes us
+    the moment it exits; without one, we poll (sleeps of up to 20 ms: ~10 ms lost per program).
     """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return _poll_exited(pid, timeout_s)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not _exited(pid):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller.poll(max(1, int(remaining * 1000) + 1))
+        return True
+    finally:
+        os.close(pidfd)
+
+
+def _exited(pid: int) -> bool:
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+
+
+def _poll_exited(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     delay = 0.001
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-            return True
+    while not _exited(pid):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
         time.sleep(min(delay, remaining))
         delay = min(delay * 2, 0.02)  # short first sleeps: most programs end in ~50 ms
+    return True
 
 
 def _quiet_kill(pid: int) -> None:

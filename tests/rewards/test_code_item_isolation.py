@@ -53,3 +53,18 @@ def test_bad_kwargs_are_refused_when_the_reward_is_built():
                          ({"max_workers": 0}, "max_workers")):
         with pytest.raises(ValueError, match=name):
             build_reward("code", kwargs)
+
+
+def test_a_program_runs_once_per_batch_however_many_responses_hold_it():
+    """Identical (program, stdin) pairs share one run: 24 copies of a program that prints a coin flip
+    all get the same verdict (run 24 times, they would agree with probability 2**-23); a different
+    prompt's copy is judged against its own expected output."""
+    coin = "```python\nimport random\nprint(random.randint(0, 1))\n```"
+    row = {"tests": [{"input": "", "output": "1"}]}
+    scores, errors = _score([coin] * 24, [row] * 24)
+    assert errors == 0 and len(set(scores)) == 1
+    other = {"tests": [{"input": "", "output": "0"}]}
+    scores, _ = _score([coin] * 6, [row, other] * 3)
+    assert scores[0::2] == [scores[0]] * 3 and scores[1::2] == [1.0 - scores[0]] * 3
+    dup_tests = {"tests": [{"input": "abc", "output": "cba"}, {"input": "abc", "output": "cba"}]}
+    assert _score([GOOD, "```python\nprint(input())\n```"], [dup_tests] * 2)[0] == [1.0, 0.0]
