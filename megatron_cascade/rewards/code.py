@@ -136,9 +136,10 @@ def code_reward_batch(responses: Sequence[str], samples: Sequence[dict], *,
     passed = [0] * len(responses)
 
     def on_result(j: int, result: SandboxResult) -> None:
+        got = normalize_output(result.stdout) if result.ok else None
         with lock:
             for i, expected in judged_for[j]:
-                if result.ok and normalize_output(result.stdout) == normalize_output(expected):
+                if got is not None and got == normalize_output(expected):
                     passed[i] += 1
                 elif not result.skipped:
                     failed.add(i)

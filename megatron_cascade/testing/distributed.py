@@ -13,12 +13,12 @@ their whole process tree. Nothing outlives the call.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -41,22 +41,17 @@ class WorkerError(RuntimeError):
 # server, which forks each worker with them loaded.
 _PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
             "megatron_cascade.cpu_runtime", "megatron_cascade.model", "megatron_cascade.training")
-_context_lock = threading.Lock()
-_context: list = []
 
 
+@functools.lru_cache(maxsize=1)
 def _worker_context() -> mp.context.BaseContext:
     """``forkserver`` with the heavy imports preloaded (one server per process, started on first use);
     ``spawn`` where there is no fork server (not Linux)."""
-    with _context_lock:
-        if not _context:
-            if "forkserver" in mp.get_all_start_methods():
-                ctx = mp.get_context("forkserver")
-                ctx.set_forkserver_preload(list(_PRELOAD))
-            else:
-                ctx = mp.get_context("spawn")
-            _context.append(ctx)
-        return _context[0]
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
 
 
 @dataclass(frozen=True)
